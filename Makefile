@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run   - create .venv and run the main job
+#   make test  - create .venv, lint, and run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint venv bench-smoke clean
+
+# torch is installed first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m astrai.cli.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench-smoke: $(STAMP)
+	$(PY) benchmarks/bench_attention.py --smoke
+	$(PY) benchmarks/bench_rotary.py --smoke
+
+clean:
+	rm -rf $(VENV) runs build .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Command-line interface: one `astrai` entry point with tyro subcommands (see main.py)."""

@@ -1,0 +1,68 @@
+"""`astrai chat --model DIR`: a multi-turn terminal chat through the model's chat template.
+
+Type a message and press enter; `/reset` clears the history, `/exit` (or end of input) quits.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+import tyro
+
+from astrai.cli._common import console, fail, load_model, run_guarded
+from astrai.cli.generate import stream_text
+
+
+@attrs.frozen(kw_only=True)
+class ChatConfig:
+    """Chat with a local model in the terminal."""
+
+    model: Path
+    """HF-format model folder with a chat template."""
+    system: str | None = None
+    """Optional system prompt."""
+    max_tokens: int = 256
+    """Most new tokens per reply."""
+    temperature: float = 0.7
+    """0 for greedy decoding."""
+    top_p: float = 0.95
+    """Nucleus mass (1: off)."""
+    seed: int | None = None
+    """Seed for reproducible sampling."""
+    dtype: str | None = None
+    """Parameter dtype; default: the checkpoint's."""
+    device: str | None = None
+    """Device, e.g. cuda or cpu; default cpu."""
+
+
+def main(cfg: ChatConfig) -> None:
+    """Read user turns from stdin and stream the model's replies."""
+    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    if model.tokenizer is None or model.tokenizer.chat_template is None:
+        fail(f"{cfg.model} has no tokenizer chat template; use `astrai generate` for plain completion")
+    history: list[dict] = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    console.print("[dim]astrai chat: /reset clears the history, /exit quits[/]")
+    while True:
+        console.print("[bold green]you>[/] ", end="")
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            history = history[:1] if cfg.system else []
+            continue
+        history.append({"role": "user", "content": text})
+        ids = run_guarded(lambda: model.tokenizer.apply_chat_template(history, tokenize=True))
+        console.print("[bold blue]model>[/] ", end="")
+        reply = run_guarded(
+            lambda ids=ids: stream_text(
+                model, ids, max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed
+            )
+        )
+        history.append({"role": "assistant", "content": reply})
+
+
+if __name__ == "__main__":
+    main(tyro.cli(ChatConfig))

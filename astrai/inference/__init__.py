@@ -1,0 +1,1 @@
+"""Inference: KV pages, compiled prefill/decode steps, sampling and generation loops."""

@@ -1,0 +1,1 @@
+"""Checkpoint and tokenizer I/O: HF folders <-> (ModelConfig, params tree, Tokenizer)."""

@@ -1,0 +1,264 @@
+"""Hugging Face interop: `config.json` <-> `ModelConfig` and HF tensor names <-> astrai tree names.
+
+Supported `model_type`s: llama, mistral, qwen2, qwen3. Family quirks handled here so the decoder stays
+family-agnostic: qwen2 always has q/k/v bias and no o_proj bias; llama/qwen3 `attention_bias` covers q/k/v/o;
+qwen3 has qk-norm; mistral slides every layer; qwen2/qwen3 slide layers >= `max_window_layers` when
+`use_sliding_window`. Both the transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`)
+spellings of RoPE settings are read; both are written.
+
+Unsupported settings raise `UnsupportedModelError` naming the field instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import cattrs
+
+from astrai.io.errors import UnsupportedModelError
+from astrai.models.config import DTYPES, ModelConfig
+from astrai.nn.rope import ROPE_TYPES, RopeConfig
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# transformers' defaults for keys a config.json may omit.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768},
+}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+    params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+    partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only full rotary)")
+    if rope_type in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    for key in ("beta_fast", "beta_slow"):  # HF treats None as the default
+        if params.get(key) is None:
+            params.pop(key, None)
+    known = {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast"}
+    known |= {"beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+    unknown = set(params) - known
+    if unknown:
+        raise UnsupportedModelError(f"rope_scaling keys {sorted(unknown)} are not supported for {rope_type!r}")
+    if params.get("factor") is None:
+        params.pop("factor", None)
+    return _converter.structure({"rope_type": rope_type, "theta": float(theta), **params}, RopeConfig)
+
+
+def _layer_types(d: dict[str, Any], family: str, window: int | None) -> tuple[str, ...] | None:
+    if window is None:
+        return None
+    if d.get("layer_types"):
+        return tuple(d["layer_types"])
+    if family in ("qwen2", "qwen3"):
+        first = d.get("max_window_layers", 28)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(d["num_hidden_layers"]))
+    return None
+
+
+def _window(d: dict[str, Any], family: str) -> int | None:
+    if family == "mistral":
+        return d.get("sliding_window", _FAMILY_DEFAULTS["mistral"]["sliding_window"])
+    if family in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        return d.get("sliding_window", 4096)
+    return None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+    """Convert a transformers `config.json` dict to a `ModelConfig`.
+
+    Raises:
+        UnsupportedModelError: unknown `model_type` or an option astrai does not implement (named).
+        ValueError: a missing or ill-typed field (named, with `source`).
+    """
+    family = d.get("model_type")
+    if family not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: model_type {family!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    missing = [key for key in _REQUIRED if d.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: missing required field(s) {missing}")
+    act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    if d.get("pretraining_tp", 1) not in (1, None):
+        raise UnsupportedModelError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported")
+    try:
+        rope = _rope_from_hf(d)
+    except (cattrs.BaseValidationError, TypeError, ValueError) as err:
+        raise UnsupportedModelError(f"{source}: rope settings: {_describe(err)}") from None
+    window = _window(d, family)
+    bias = bool(d.get("attention_bias", False))
+    flat = {
+        "model_type": family,
+        "vocab_size": d["vocab_size"],
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_attention_heads": d["num_attention_heads"],
+        "num_key_value_heads": d.get("num_key_value_heads") or d["num_attention_heads"],
+        "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        "max_position_embeddings": d.get("max_position_embeddings")
+        or _FAMILY_DEFAULTS[family]["max_position_embeddings"],
+        "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
+        "attention_bias": True if family == "qwen2" else bias,
+        "attention_out_bias": False if family in ("qwen2", "mistral") else bias,
+        "mlp_bias": bool(d.get("mlp_bias", False)) if family == "llama" else False,
+        "qk_norm": family == "qwen3",
+        "sliding_window": window,
+        "layer_types": _layer_types(d, family, window),
+        "dtype": _dtype_name(d.get("dtype") or d.get("torch_dtype") or "float32", source),
+        "initializer_range": d.get("initializer_range", 0.02),
+        "bos_token_id": d.get("bos_token_id"),
+        "eos_token_id": _ids(d.get("eos_token_id")),
+        "pad_token_id": d.get("pad_token_id"),
+        "rope": _converter.unstructure(rope),
+    }
+    try:
+        cfg = _converter.structure(flat, ModelConfig)
+    except cattrs.BaseValidationError as err:
+        raise ValueError(f"{source}: {_describe(err)}") from None
+    return cfg
+
+
+def _dtype_name(value: str, source: str) -> str:
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UnsupportedModelError(f"{source}: dtype {value!r} is not supported (supported: {sorted(DTYPES)})")
+    return name
+
+
+def _describe(err: BaseException) -> str:
+    """One line per leaf error of a cattrs validation error, with the field path."""
+    if isinstance(err, cattrs.BaseValidationError):
+        notes = cattrs.transform_error(err)
+        return "; ".join(notes)
+    return str(err)
+
+
+# The rope_scaling keys transformers validates per rope_type.
+_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    + ("attention_factor", "truncate"),
+}
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers `config.json` dict for `cfg` (loadable by transformers 4.4x and 5.x)."""
+    rope = cfg.rope
+    scaling: dict[str, Any] | None = None
+    if rope.rope_type != "default":
+        scaling = {"rope_type": rope.rope_type}
+        for key in _ROPE_KEYS[rope.rope_type]:
+            if getattr(rope, key) is not None:
+                scaling[key] = getattr(rope, key)
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_theta": rope.theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": rope.rope_type, "rope_theta": rope.theta, **(scaling or {})},
+        "initializer_range": cfg.initializer_range,
+        "dtype": cfg.dtype,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else next(iter(cfg.eos_token_id), None),
+        "pad_token_id": cfg.pad_token_id,
+        "use_cache": True,
+    }
+    if cfg.model_type in ("llama", "qwen3"):
+        d["attention_bias"] = cfg.attention_bias
+    if cfg.model_type == "llama":
+        d["mlp_bias"] = cfg.mlp_bias
+    if cfg.model_type == "mistral" or cfg.sliding_window is None:
+        d["sliding_window"] = cfg.sliding_window
+    if cfg.model_type in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = cfg.sliding_window is not None
+        d["max_window_layers"] = cfg.num_hidden_layers
+        if cfg.sliding_window is not None:
+            d["sliding_window"] = cfg.sliding_window
+            d["layer_types"] = list(cfg.layer_types or ["sliding_attention"] * cfg.num_hidden_layers)
+            d["max_window_layers"] = d["layer_types"].index("sliding_attention")
+    return d
+
+
+# (HF regex, astrai template) pairs; layer index is group 1.
+_NAME_RULES: tuple[tuple[str, str], ...] = (
+    (r"model\.embed_tokens\.(weight)", "embed_tokens.{0}"),
+    (r"model\.norm\.(weight)", "norm.{0}"),
+    (r"lm_head\.(weight|bias)", "lm_head.{0}"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.(weight)", "blocks.{0}.attn_norm.{1}"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.(weight)", "blocks.{0}.mlp_norm.{1}"),
+    (r"model\.layers\.(\d+)\.self_attn\.(\w+)\.(weight|bias)", "blocks.{0}.attn.{1}.{2}"),
+    (r"model\.layers\.(\d+)\.mlp\.(\w+)\.(weight|bias)", "blocks.{0}.mlp.{1}.{2}"),
+)
+_REVERSE_RULES: tuple[tuple[str, str], ...] = (
+    (r"embed_tokens\.(weight)", "model.embed_tokens.{0}"),
+    (r"norm\.(weight)", "model.norm.{0}"),
+    (r"lm_head\.(weight|bias)", "lm_head.{0}"),
+    (r"blocks\.(\d+)\.attn_norm\.(weight)", "model.layers.{0}.input_layernorm.{1}"),
+    (r"blocks\.(\d+)\.mlp_norm\.(weight)", "model.layers.{0}.post_attention_layernorm.{1}"),
+    (r"blocks\.(\d+)\.attn\.(\w+)\.(weight|bias)", "model.layers.{0}.self_attn.{1}.{2}"),
+    (r"blocks\.(\d+)\.mlp\.(\w+)\.(weight|bias)", "model.layers.{0}.mlp.{1}.{2}"),
+)
+# HF tensors that carry no parameters of ours (old checkpoints store RoPE tables).
+IGNORED_HF_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _apply_rules(name: str, rules: tuple[tuple[str, str], ...]) -> str | None:
+    for pattern, template in rules:
+        match = re.fullmatch(pattern, name)
+        if match:
+            return template.format(*match.groups())
+    return None
+
+
+def hf_to_astrai_name(name: str) -> str | None:
+    """The astrai tree name of an HF tensor name, or None when it is not a decoder parameter."""
+    return _apply_rules(name, _NAME_RULES)
+
+
+def astrai_to_hf_name(name: str) -> str:
+    """The HF tensor name of an astrai tree name."""
+    out = _apply_rules(name, _REVERSE_RULES)
+    if out is None:
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return out

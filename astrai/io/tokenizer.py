@@ -1,0 +1,375 @@
+"""Tokenizer: a ``tokenizers.Tokenizer`` plus the checkpoint metadata around it (special tokens, chat template,
+generation stop ids), loaded and saved in the Hugging Face folder layout.
+
+``Tokenizer.from_dir`` reads ``tokenizer.json`` (required) and, when present, ``tokenizer_config.json``,
+``special_tokens_map.json``, ``chat_template.jinja`` (+ ``additional_chat_templates/``), ``generation_config.json``
+and ``config.json``. It applies the same load-time fix-ups transformers 5's ``TokenizersBackend`` does, so that
+``encode``/``decode`` give the ids and text of ``AutoTokenizer.from_pretrained(path)``:
+named special tokens missing from the added vocabulary are added as special; an explicit ``add_bos_token`` /
+``add_eos_token`` rebuilds the post-processor; truncation and padding stored in ``tokenizer.json`` are ignored.
+
+``train_tokenizer`` trains a small byte-level BPE locally (tests and the quickstart use it; no downloads).
+
+Not here: slow (sentencepiece ``.model`` / ``vocab.txt``) tokenizers with no ``tokenizer.json``, the
+WordPiece-era ``clean_up_tokenization_spaces`` post-processing, padding and truncation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+
+from astrai.io.chat_template import (
+    CHAT_TEMPLATE_DIR,
+    CHAT_TEMPLATE_FILE,
+    load_chat_templates,
+    render_chat_template,
+    select_chat_template,
+)
+
+if TYPE_CHECKING:
+    from astrai.io.detokenizer import IncrementalDetokenizer
+
+# The named special tokens transformers exposes as template variables (``special_tokens_map``), in its order.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when the file is absent. Raises ValueError naming a corrupt file."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_str(value: Any) -> str | None:
+    """A special-token entry as a string: configs store a string or an AddedToken dict ``{"content": ...}``."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def _eos_ids_from_model_files(folder: Path) -> list[int]:
+    """Stop ids from ``generation_config.json`` then ``config.json`` (top level, else ``text_config``)."""
+    ids = _as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
+    model_config = _read_json(folder / "config.json")
+    value = model_config.get("eos_token_id", model_config.get("text_config", {}).get("eos_token_id"))
+    return ids + _as_id_list(value)
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, chat template and stop ids for one checkpoint.
+
+    Attributes:
+        backend: the wrapped ``tokenizers.Tokenizer`` (mutating it changes this tokenizer).
+        config: the ``tokenizer_config.json`` entries, kept so ``save`` writes them back (``model_max_length``,
+            ``tokenizer_class``, ...).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: Mapping[str, str | None] | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Wrap ``backend``.
+
+        Args:
+            backend: a ``tokenizers.Tokenizer``; named special tokens it lacks are added to it as special.
+            special_tokens: ``{"bos_token": "<s>", "eos_token": ..., ...}`` (keys from ``SPECIAL_TOKEN_KEYS``).
+            chat_template: one jinja2 template, or ``{name: template}`` with a ``"default"``.
+            eos_token_ids: extra stop ids (from generation_config.json / config.json), highest priority first.
+            config: other ``tokenizer_config.json`` entries to preserve on ``save``.
+        """
+        self.backend = backend
+        self.config = {k: v for k, v in (config or {}).items() if k not in SPECIAL_TOKEN_KEYS}
+        self.config.pop("chat_template", None)
+        self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
+        self._extra_eos = tuple(eos_token_ids)
+        extra = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
+        self._add_missing_special_tokens([*self._special.values(), *filter(None, extra)])
+
+    def _add_missing_special_tokens(self, tokens: Iterable[str]) -> None:
+        # transformers adds every named special token that is not an added token (even if the model vocab has
+        # it), which is what makes decode(skip_special_tokens=True) drop it.
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        missing = [t for t in dict.fromkeys(tokens) if t not in added]
+        if missing:
+            self.backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face style checkpoint folder.
+
+        Raises:
+            FileNotFoundError: ``path/tokenizer.json`` does not exist.
+            ValueError: ``tokenizer.json`` or one of the JSON side files is corrupt (the message names it).
+        """
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder} (slow tokenizers without one are unsupported)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises a bare Exception for any parse error
+            raise ValueError(f"{tok_file} is not a valid tokenizers file: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json")
+        special = {k: _token_str(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+        if backend.padding is not None and special["pad_token"] is None:
+            special["pad_token"] = backend.padding["pad_token"]
+        if "added_tokens_decoder" not in config:  # transformers reads this legacy file only in that case
+            for key, value in _read_json(folder / "special_tokens_map.json").items():
+                if key in special and _token_str(value) is not None:
+                    special[key] = _token_str(value)
+        # transformers ignores stored truncation/padding unless asked for them at call time.
+        backend.no_truncation()
+        backend.no_padding()
+        tokenizer = cls(
+            backend,
+            special_tokens=special,
+            chat_template=load_chat_templates(folder, config),
+            eos_token_ids=_eos_ids_from_model_files(folder),
+            config=config,
+        )
+        if "add_bos_token" in config or "add_eos_token" in config:
+            tokenizer._rebuild_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+        return tokenizer
+
+    def _rebuild_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        # Same template transformers' update_post_processor writes when the config sets add_bos/eos_token.
+        bos, eos = self.bos_token if add_bos else None, self.eos_token if add_eos else None
+        single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
+        pair = " ".join([single] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
+        special = [(t, self.backend.token_to_id(t)) for t in (bos, eos) if t]
+        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+    # ---- encoding -------------------------------------------------------------------------------------------
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. a leading BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` over many texts (parallel in the Rust backend)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid or incomplete UTF-8 byte sequences come out as U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the whole vocabulary including added tokens (``len(hf_tokenizer)``)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # ---- special tokens -------------------------------------------------------------------------------------
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens that are set, e.g. ``{"eos_token": "<|im_end|>", "pad_token": ...}``."""
+        return {k: self._special[k] for k in SPECIAL_TOKEN_KEYS if k in self._special}
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of every added token marked special (what ``skip_special_tokens`` drops)."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    def _special_id(self, key: str) -> int | None:
+        token = self._special.get(key)
+        return None if token is None else self.backend.token_to_id(token)
+
+    bos_token = property(lambda self: self._special.get("bos_token"), doc="Beginning-of-sequence token or None.")
+    eos_token = property(lambda self: self._special.get("eos_token"), doc="End-of-sequence token or None.")
+    pad_token = property(lambda self: self._special.get("pad_token"), doc="Padding token or None.")
+    unk_token = property(lambda self: self._special.get("unk_token"), doc="Unknown token or None.")
+    bos_token_id = property(lambda self: self._special_id("bos_token"), doc="Id of ``bos_token`` or None.")
+    eos_token_id = property(lambda self: self._special_id("eos_token"), doc="Id of ``eos_token`` or None.")
+    pad_token_id = property(lambda self: self._special_id("pad_token"), doc="Id of ``pad_token`` or None.")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that stop generation: generation_config.json, then config.json, then ``eos_token``; deduped."""
+        ids = [*self._extra_eos, self.eos_token_id]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of ``<0xNN>`` byte tokens when the decoder fuses them (sentencepiece ``byte_fallback``), else empty."""
+        decoder = self.backend.decoder
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+            return frozenset()
+        ids = (self.backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def model_max_length(self) -> int | None:
+        value = self.config.get("model_max_length")
+        return value if isinstance(value, int) else None
+
+    # ---- chat -----------------------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (``"default"`` of several), or None."""
+        if isinstance(self._chat_template, dict):
+            return self._chat_template.get("default")
+        return self._chat_template
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """All chat templates by name (a single template is ``{"default": template}``)."""
+        if isinstance(self._chat_template, dict):
+            return dict(self._chat_template)
+        return {} if self._chat_template is None else {"default": self._chat_template}
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render a conversation into a prompt, as transformers' ``apply_chat_template``.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]``; assistant messages may carry ``tool_calls``.
+            tools: JSON schemas of the available tools; selects a ``"tool_use"`` template when there is one.
+            add_generation_prompt: end with the header that opens the assistant's turn (default True here,
+                unlike transformers, because serving always wants it).
+            tokenize: return token ids (encoded with ``add_special_tokens=False``) instead of text.
+            chat_template: a template name from ``chat_templates`` or a whole template to use instead.
+            **kwargs: more template variables (``documents``, ``continue_final_message``, ``enable_thinking``...);
+                they override the special-token variables of the same name.
+
+        Raises:
+            ValueError: no chat template, or the template rejected the conversation (its message is kept).
+        """
+        template = select_chat_template(self._chat_template, name=chat_template, tools=tools)
+        variables = {**self.special_tokens_map, **kwargs}
+        text = render_chat_template(
+            template, messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def detokenizer(
+        self, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer over this tokenizer (see ``astrai.io.detokenizer``)."""
+        from astrai.io.detokenizer import IncrementalDetokenizer  # the detokenizer module imports this one
+
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
+
+    # ---- saving ---------------------------------------------------------------------------------------------
+    def _config_to_save(self) -> dict[str, Any]:
+        config = dict(self.config)
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        config.setdefault("clean_up_tokenization_spaces", False)  # decode() never does WordPiece clean-up
+        config["added_tokens_decoder"] = {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(self.backend.get_added_tokens_decoder().items())
+        }
+        config.update({k: self._special.get(k) for k in SPECIAL_TOKEN_KEYS if k in self._special})
+        if isinstance(self._chat_template, dict):
+            config["chat_template"] = [{"name": k, "template": v} for k, v in self._chat_template.items()]
+        elif self._chat_template is not None:
+            config["chat_template"] = self._chat_template
+        return config
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` loadable by ``from_dir`` and transformers.
+
+        The chat template(s) go into ``tokenizer_config.json``. A ``chat_template.jinja`` or
+        ``additional_chat_templates/*.jinja`` already in ``out_dir`` would shadow them, so those are deleted.
+        ``generation_config.json`` is the model's to write.
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # A post-processor rebuilt from add_bos/eos_token is saved in tokenizer.json and the flags are kept:
+        # both loaders rebuild the same post-processor from them again.
+        self.backend.save(str(out / "tokenizer.json"))
+        text = json.dumps(self._config_to_save(), indent=2, ensure_ascii=False) + "\n"
+        (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
+        (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+        if (out / CHAT_TEMPLATE_DIR).is_dir():
+            for stale in (out / CHAT_TEMPLATE_DIR).glob("*.jinja"):
+                stale.unlink()
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, chat_template={self.chat_template is not None})"
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    special_tokens: Sequence[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    eos_token: str = "<|im_end|>",
+    bos_token: str | None = None,
+    pad_token: str | None = "<|endoftext|>",
+    chat_template: str | None = None,
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer (GPT-2 / Qwen style) on ``texts``, locally and deterministically.
+
+    Any byte sequence is encodable (the 256 byte symbols are always in the vocabulary), so the result can
+    tokenize text outside its training corpus (CJK, emoji) at the cost of longer sequences.
+
+    Args:
+        texts: training corpus.
+        vocab_size: target size including the 256 byte symbols and the special tokens.
+        special_tokens: added tokens (ids 0..n-1); ``eos_token``/``bos_token``/``pad_token`` are appended if absent.
+        eos_token, bos_token, pad_token: the named special tokens (None for none).
+        chat_template: a jinja2 chat template to attach.
+    """
+    specials = list(dict.fromkeys([*special_tokens, *(t for t in (eos_token, bos_token, pad_token) if t)]))
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    special = {"eos_token": eos_token, "bos_token": bos_token, "pad_token": pad_token}
+    return Tokenizer(backend, special_tokens=special, chat_template=chat_template)

@@ -1,0 +1,118 @@
+"""Static model hyperparameters: `ModelConfig` and `RopeConfig` (attrs frozen, hashable).
+
+One config describes every decoder family astrai runs (llama, mistral, qwen2, qwen3 today). Family quirks are
+plain switches (`attention_bias`, `qk_norm`, `sliding_window`, ...) so the single decoder in
+`models/decoder.py` needs no per-family code. Attention and FFN kinds are explicit (`attn_type`,
+`ffn_type`) so MLA and MoE can arrive as new values with their own nested configs, without a redesign.
+
+HF `config.json` <-> ModelConfig conversion lives in `astrai/io/hf.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+import torch
+
+from astrai.nn.rope import ROPE_TYPES, RopeConfig
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """Hyperparameters of a decoder-only language model."""
+
+    model_type: str = "llama"
+    """HF family name (llama, mistral, qwen2, qwen3); decides the config.json written on save."""
+    vocab_size: int
+    """Number of token ids (V)."""
+    hidden_size: int
+    """Residual stream width (E)."""
+    intermediate_size: int
+    """SwiGLU hidden width (F)."""
+    num_hidden_layers: int
+    """Number of decoder blocks (L)."""
+    num_attention_heads: int
+    """Query heads (H)."""
+    num_key_value_heads: int
+    """Key/value heads (K); H must be a multiple of K (GQA)."""
+    head_dim: int
+    """Per-head width (D); may differ from E / H (qwen3)."""
+    max_position_embeddings: int = 4096
+    """Longest context the model supports (also the dynamic-NTK threshold)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope: RopeConfig = RopeConfig()
+    """Rotary embedding parameters."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the LM head."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (qwen2: always; llama/qwen3: `attention_bias`)."""
+    attention_out_bias: bool = False
+    """Bias on the output projection (llama/qwen3 `attention_bias`; qwen2 never)."""
+    mlp_bias: bool = False
+    """Bias on the SwiGLU projections (llama `mlp_bias`)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (qwen3)."""
+    sliding_window: int | None = None
+    """Sliding-window size in tokens for layers of type "sliding_attention" (None: no window)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per-layer "full_attention" / "sliding_attention"; None means every layer slides when a window is set."""
+    attn_type: Literal["gqa"] = "gqa"
+    """Attention kind ("mla" arrives with DeepSeek support)."""
+    ffn_type: Literal["mlp"] = "mlp"
+    """FFN kind ("moe" arrives with MoE support)."""
+    hidden_act: Literal["silu"] = "silu"
+    """Gate activation of the SwiGLU MLP."""
+    dtype: str = "float32"
+    """Storage dtype of the parameters: float32, bfloat16 or float16."""
+    initializer_range: float = 0.02
+    """Std of the normal init for projections and embeddings."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id (kept for config.json round trips)."""
+    eos_token_id: tuple[int, ...] = ()
+    """End-of-sequence ids from config.json (generation_config.json may add more)."""
+    pad_token_id: int | None = None
+    """Padding id (kept for config.json round trips)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """`dtype` as a torch dtype."""
+        return DTYPES[self.dtype]
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads per KV head (the GQA group size G)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def layer_window(self, layer: int) -> int:
+        """Sliding window of `layer` in tokens, or 0 for full attention."""
+        if self.sliding_window is None:
+            return 0
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return 0
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the field when hyperparameters are inconsistent."""
+    positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"]
+    positive += ["num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({cfg.num_key_value_heads})"
+        )
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {cfg.head_dim}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.rope.rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {cfg.rope.rope_type!r}")
+    if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")

@@ -1,0 +1,215 @@
+"""One functional decoder LM for every family (llama, mistral, qwen2, qwen3) via `ModelConfig` switches.
+
+Notable features:
+- Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)); final norm; LM head (tied or untied).
+- One `forward` serves training (dense [B, T], causal), prefill/extend and decode (flattened ragged tokens
+  over a paged `KVCache` described by `AttnMeta`); only the metadata differs.
+- `logits_positions` runs the final norm and LM head only on the rows that will be sampled.
+- Logits are float32 whatever the parameter dtype (sampling and losses want fp32).
+
+Not here: MLA and MoE (future `attn_type` / `ffn_type` values), the embedding encoder.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from astrai.models.config import ModelConfig, check_config
+from astrai.nn.attention import AttentionParams, AttentionShape, attention, init_attention
+from astrai.nn.embedding import EmbeddingParams, embed, init_embedding
+from astrai.nn.linear import LinearParams, init_linear
+from astrai.nn.mlp import MLPParams, init_mlp, mlp
+from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
+from astrai.nn.rope import rope_cos_sin
+from astrai.ops.attention import AttnMeta, KVCache
+from astrai.tree import named_tensors, pytree, to_device
+
+
+@pytree
+@attrs.frozen(eq=False)
+class BlockParams:
+    """One pre-norm decoder block."""
+
+    attn_norm: RMSNormParams
+    attn: AttentionParams
+    mlp_norm: RMSNormParams
+    mlp: MLPParams
+
+
+@pytree
+@attrs.frozen(eq=False)
+class DecoderParams:
+    """All learnable tensors of a decoder LM; `lm_head` is None when tied to the embedding."""
+
+    embed_tokens: EmbeddingParams
+    blocks: tuple[BlockParams, ...]
+    norm: RMSNormParams
+    lm_head: LinearParams | None = None
+
+
+def attention_shape(cfg: ModelConfig, layer: int) -> AttentionShape:
+    """Static attention settings of `layer`."""
+    return AttentionShape(
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        norm_eps=cfg.rms_norm_eps,
+        window=cfg.layer_window(layer),
+        interleaved_rope=cfg.rope.interleaved,
+    )
+
+
+def _build(cfg: ModelConfig, generator: torch.Generator | None) -> DecoderParams:
+    dtype, std = cfg.torch_dtype, cfg.initializer_range
+    out_std = std / (2 * cfg.num_hidden_layers) ** 0.5  # residual-output projections (GPT-2 scheme)
+    blocks = tuple(
+        BlockParams(
+            attn_norm=init_rms_norm(cfg.hidden_size, dtype=dtype),
+            attn=init_attention(
+                cfg.hidden_size,
+                attention_shape(cfg, layer),
+                qkv_bias=cfg.attention_bias,
+                out_bias=cfg.attention_out_bias,
+                qk_norm=cfg.qk_norm,
+                std=std,
+                out_std=out_std,
+                generator=generator,
+                dtype=dtype,
+            ),
+            mlp_norm=init_rms_norm(cfg.hidden_size, dtype=dtype),
+            mlp=init_mlp(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                bias=cfg.mlp_bias,
+                std=std,
+                out_std=out_std,
+                generator=generator,
+                dtype=dtype,
+            ),
+        )
+        for layer in range(cfg.num_hidden_layers)
+    )
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = init_linear(cfg.hidden_size, cfg.vocab_size, std=std, generator=generator, dtype=dtype)
+    return DecoderParams(
+        embed_tokens=init_embedding(cfg.vocab_size, cfg.hidden_size, std=std, generator=generator, dtype=dtype),
+        blocks=blocks,
+        norm=init_rms_norm(cfg.hidden_size, dtype=dtype),
+        lm_head=lm_head,
+    )
+
+
+def init_params(cfg: ModelConfig, *, seed: int = 0, device: torch.device | str | None = None) -> DecoderParams:
+    """Random parameters: normal(0, initializer_range), residual outputs scaled by 1/sqrt(2L), unit norms.
+
+    Deterministic for a given seed (built on the CPU with one generator, then moved to `device`).
+    """
+    check_config(cfg)
+    params = _build(cfg, torch.Generator().manual_seed(seed))
+    return params if device is None else to_device(params, device)
+
+
+def init_params_meta(cfg: ModelConfig) -> DecoderParams:
+    """A tree of the right structure and shapes on the meta device (no memory, no randomness)."""
+    check_config(cfg)
+    with torch.device("meta"):
+        return _build(cfg, None)
+
+
+def _positions(tokens: Tensor, positions: Tensor | None, meta: AttnMeta | None) -> Tensor:
+    # Flat [N] positions of every input token, row-major.
+    if meta is not None:
+        return meta.positions
+    if positions is not None:
+        return positions.reshape(-1)
+    batch, seq = tokens.shape
+    return torch.arange(seq, device=tokens.device).repeat(batch)
+
+
+def hidden_states(
+    params: DecoderParams,
+    cfg: ModelConfig,
+    tokens: Tensor,
+    *,
+    positions: Tensor | None = None,
+    meta: AttnMeta | None = None,
+    cache: KVCache | None = None,
+) -> Tensor:
+    """The residual stream after the last block (before the final norm); same leading shape as `tokens`."""
+    if (meta is None) != (cache is None):
+        raise ValueError("pass meta and cache together (paged mode) or neither (dense mode)")
+    if cache is None and tokens.dim() != 2:
+        raise ValueError(f"dense mode expects tokens [B, T], got shape {tuple(tokens.shape)}")
+    if cache is not None and tokens.dim() != 1:
+        raise ValueError(f"paged mode expects flattened tokens [T], got shape {tuple(tokens.shape)}")
+    cos, sin = rope_cos_sin(
+        _positions(tokens, positions, meta),
+        rope=cfg.rope,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+    x = embed(params.embed_tokens, tokens)
+    for layer, block in enumerate(params.blocks):
+        kv = None if cache is None else (cache.k[layer], cache.v[layer])
+        h = rms_norm(block.attn_norm, x, eps=cfg.rms_norm_eps)
+        x = x + attention(block.attn, h, cos, sin, shape=attention_shape(cfg, layer), meta=meta, kv=kv)
+        x = x + mlp(block.mlp, rms_norm(block.mlp_norm, x, eps=cfg.rms_norm_eps))
+    return x
+
+
+def lm_head_weight(params: DecoderParams) -> Tensor:
+    """[V, E] output projection (the embedding when tied)."""
+    return params.embed_tokens.weight if params.lm_head is None else params.lm_head.weight
+
+
+def forward(
+    params: DecoderParams,
+    cfg: ModelConfig,
+    tokens: Tensor,
+    *,
+    positions: Tensor | None = None,
+    meta: AttnMeta | None = None,
+    cache: KVCache | None = None,
+    logits_positions: Tensor | None = None,
+) -> Tensor:
+    """Next-token logits.
+
+    Args:
+        params: parameter tree.
+        cfg: model config.
+        tokens: [B, T] (dense: causal over each row, no cache) or [T] (paged: flattened new tokens).
+        positions: dense mode only, [B, T] position ids (default 0..T-1 per row).
+        meta: paged-step metadata (with `cache`).
+        cache: KV pool; new K/V are written in place.
+        logits_positions: [M] int rows of the flattened tokens to compute logits for.
+
+    Returns:
+        float32 logits: [B, T, V] (dense), [T, V] (paged) or [M, V] with `logits_positions`.
+    """
+    x = hidden_states(params, cfg, tokens, positions=positions, meta=meta, cache=cache)
+    if logits_positions is not None:
+        x = x.reshape(-1, x.shape[-1])[logits_positions]  # [M, E]
+    x = rms_norm(params.norm, x, eps=cfg.rms_norm_eps)
+    logits = F.linear(x, lm_head_weight(params))
+    if params.lm_head is not None and params.lm_head.bias is not None:
+        logits = logits + params.lm_head.bias
+    return logits.float()
+
+
+def check_params(params: DecoderParams, cfg: ModelConfig) -> None:
+    """Raise ValueError naming the first tensor whose shape disagrees with `cfg` (init and load validate)."""
+    expected = named_tensors(init_params_meta(cfg))
+    actual = named_tensors(params)
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            raise ValueError(f"parameter {name!r} is missing")
+        if name not in expected:
+            raise ValueError(f"unexpected parameter {name!r} for this config")
+        if tuple(actual[name].shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(actual[name].shape)}, expected {tuple(expected[name].shape)}"
+            )

@@ -1,0 +1,126 @@
+"""Grouped-query self-attention layer: projections, optional qk-norm, RoPE, then dense or paged attention.
+
+Order of operations follows transformers (llama, mistral, qwen2, qwen3): project, split heads, per-head
+RMSNorm on q and k (qwen3), rotate, attend, merge heads, output projection. With a KV cache the new K/V are
+written into the pool first and attention reads everything (prefix and new tokens) from the pool.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+import torch
+from torch import Tensor
+
+from astrai.nn.linear import LinearParams, init_linear, linear
+from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
+from astrai.ops.attention import AttnMeta, dense_attention, paged_attention
+from astrai.ops.kv_store import kv_store_
+from astrai.ops.rotary import rotary
+from astrai.tree import pytree
+
+
+@pytree
+@attrs.frozen(eq=False)
+class AttentionParams:
+    """Projections of one attention layer (HF names, so checkpoints map 1:1)."""
+
+    q_proj: LinearParams  # [H*D, E]
+    k_proj: LinearParams  # [K*D, E]
+    v_proj: LinearParams  # [K*D, E]
+    o_proj: LinearParams  # [E, H*D]
+    q_norm: RMSNormParams | None = None  # [D]
+    k_norm: RMSNormParams | None = None  # [D]
+
+
+class AttentionShape(NamedTuple):
+    """Static per-layer attention settings (a NamedTuple so compiled code can build and read it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float = 1e-6
+    window: int = 0
+    interleaved_rope: bool = False
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale D^-1/2."""
+        return self.head_dim**-0.5
+
+
+def init_attention(
+    dim: int,
+    shape: AttentionShape,
+    *,
+    qkv_bias: bool = False,
+    out_bias: bool = False,
+    qk_norm: bool = False,
+    std: float = 0.02,
+    out_std: float | None = None,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> AttentionParams:
+    """Normal-initialised projections; `out_std` (default `std`) for the residual-output projection."""
+    q_dim, kv_dim = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    kw = dict(std=std, generator=generator, dtype=dtype)
+    return AttentionParams(
+        q_proj=init_linear(dim, q_dim, bias=qkv_bias, **kw),
+        k_proj=init_linear(dim, kv_dim, bias=qkv_bias, **kw),
+        v_proj=init_linear(dim, kv_dim, bias=qkv_bias, **kw),
+        o_proj=init_linear(
+            q_dim, dim, bias=out_bias, std=out_std if out_std is not None else std, generator=generator, dtype=dtype
+        ),
+        q_norm=init_rms_norm(shape.head_dim, dtype=dtype) if qk_norm else None,
+        k_norm=init_rms_norm(shape.head_dim, dtype=dtype) if qk_norm else None,
+    )
+
+
+def attention(
+    p: AttentionParams,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    shape: AttentionShape,
+    meta: AttnMeta | None = None,
+    kv: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Self-attention.
+
+    Args:
+        p: layer parameters.
+        x: [B, T, E] (dense, causal over each row) or [T, E] (paged: flattened new tokens of a batch).
+        cos, sin: [B*T or T, D/2] float32 rotation tables for the tokens of `x` in row-major order.
+        shape: static head layout, window and rope layout.
+        meta: paged-step metadata; required with `kv`.
+        kv: (k_cache, v_cache) pool tensors [S, K, D] of this layer, written in place.
+
+    Returns:
+        Same leading shape as `x`, last dim E.
+    """
+    lead = x.shape[:-1]
+    heads, kv_heads, dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    q = linear(p.q_proj, x).view(*lead, heads, dim)
+    k = linear(p.k_proj, x).view(*lead, kv_heads, dim)
+    v = linear(p.v_proj, x).view(*lead, kv_heads, dim)
+    if p.q_norm is not None and p.k_norm is not None:
+        q, k = rms_norm(p.q_norm, q, eps=shape.norm_eps), rms_norm(p.k_norm, k, eps=shape.norm_eps)
+    # rotary works on flat tokens: [B*T, heads, D]
+    q, k = rotary(q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim), cos, sin, interleaved=shape.interleaved_rope)
+    v = v.reshape(-1, kv_heads, dim)
+    if kv is None:
+        out = dense_attention(
+            q.view(*lead, heads, dim),
+            k.view(*lead, kv_heads, dim),
+            v.view(*lead, kv_heads, dim),
+            scale=shape.scale,
+            window=shape.window,
+        )
+    else:
+        if meta is None:
+            raise ValueError("paged attention needs AttnMeta together with the KV cache")
+        kv_store_(kv[0], kv[1], k, v, meta.slot_mapping)
+        out = paged_attention(q, kv[0], kv[1], meta, scale=shape.scale, window=shape.window)
+    return linear(p.o_proj, out.reshape(*lead, heads * dim))

@@ -1,0 +1,45 @@
+"""SwiGLU feed-forward: `MLPParams` and `mlp()` = down(silu(gate(x)) * up(x))."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from astrai.nn.linear import LinearParams, init_linear, linear
+from astrai.tree import pytree
+
+
+@pytree
+@attrs.frozen(eq=False)
+class MLPParams:
+    """Gate, up and down projections of a SwiGLU MLP."""
+
+    gate_proj: LinearParams  # [F, E]
+    up_proj: LinearParams  # [F, E]
+    down_proj: LinearParams  # [E, F]
+
+
+def init_mlp(
+    dim: int,
+    hidden: int,
+    *,
+    bias: bool = False,
+    std: float = 0.02,
+    out_std: float | None = None,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> MLPParams:
+    """Normal init; `out_std` (default `std`) is used for the residual-output projection."""
+    kw = dict(bias=bias, generator=generator, dtype=dtype)
+    return MLPParams(
+        gate_proj=init_linear(dim, hidden, std=std, **kw),
+        up_proj=init_linear(dim, hidden, std=std, **kw),
+        down_proj=init_linear(hidden, dim, std=out_std if out_std is not None else std, **kw),
+    )
+
+
+def mlp(p: MLPParams, x: Tensor) -> Tensor:
+    """x: [..., E] -> [..., E]."""
+    return linear(p.down_proj, F.silu(linear(p.gate_proj, x)) * linear(p.up_proj, x))

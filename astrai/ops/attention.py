@@ -1,0 +1,114 @@
+"""Attention: dense causal (training, no cache) and paged (prefill/extend and decode over the KV pool).
+
+`AttnMeta` is the explicit batch metadata tree of a paged step; `KVCache` holds the per-layer pool tensors.
+Dense attention always runs torch SDPA (flash/efficient kernels on CUDA). Paged attention dispatches per
+`astrai.ops.backend`: Triton kernels on CUDA, the vectorised torch path on CPU, or the CUDA references.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from astrai.ops.backend import attn_backend
+from astrai.ops.paged_torch import decode_attention_torch, extend_attention_torch
+from astrai.tree import pytree, static
+
+
+@pytree
+@attrs.frozen(eq=False)
+class AttnMeta:
+    """Metadata of one paged step over B requests and T new tokens (flattened, request-major).
+
+    Attributes:
+        positions: [T] int64 absolute position of each new token.
+        slot_mapping: [T] int64 pool slot where each new token's K/V is written (negative: padding, skipped).
+        cu_seqlens_q: [B+1] int32 offsets of each request's new tokens (qo_indptr).
+        seq_lens: [B] int32 tokens in the cache per request after this step (prefix + new).
+        block_table: [B, P] int32 pages of each request, in order.
+        page_size: tokens per page (N).
+        decode: True when every request has exactly one new token (T == B): selects the decode kernel.
+    """
+
+    positions: Tensor
+    slot_mapping: Tensor
+    cu_seqlens_q: Tensor
+    seq_lens: Tensor
+    block_table: Tensor
+    page_size: int = static()
+    decode: bool = static(default=False)
+
+
+@pytree
+@attrs.frozen(eq=False)
+class KVCache:
+    """The paged KV pool: one K and one V tensor per layer, each [S, K, D] with S = pages * page_size."""
+
+    k: tuple[Tensor, ...]
+    v: tuple[Tensor, ...]
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int = 0) -> Tensor:
+    """Causal attention over full sequences.
+
+    Args:
+        q: [B, T, H, D]; k, v: [B, T, K, D].
+        scale: softmax scale.
+        window: sliding window in tokens (0: none).
+
+    Returns:
+        [B, T, H, D].
+    """
+    seq = q.shape[1]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+    gqa = qh.shape[1] != kh.shape[1]
+    if window <= 0 or window >= seq:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        pos = torch.arange(seq, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [T, T]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMeta, *, scale: float, window: int = 0
+) -> Tensor:
+    """Attention of new tokens over the paged pool (their own K/V must already be stored).
+
+    Args:
+        q: [T, H, D] new-token queries.
+        k_cache, v_cache: [S, K, D] pool tensors of this layer.
+        meta: batch metadata (decode when every request has one new token).
+        scale: softmax scale.
+        window: sliding window in tokens (0: none).
+
+    Returns:
+        [T, H, D].
+    """
+    backend = attn_backend(q)
+    if meta.decode:
+        args = (q, k_cache, v_cache, meta.block_table, meta.seq_lens)
+        kw = dict(page_size=meta.page_size, scale=scale, window=window)
+        if backend == "triton":
+            from triton_kernels.decode_attention import decode_attention
+
+            return decode_attention(*args, **kw)
+        if backend == "cuda_ref":
+            import cuda_ref
+
+            return cuda_ref.decode_attention(*args, **kw)
+        return decode_attention_torch(*args, **kw)
+    args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table)
+    kw = dict(page_size=meta.page_size, scale=scale, window=window)
+    if backend == "triton":
+        from triton_kernels.extend_attention import extend_attention
+
+        return extend_attention(*args, **kw)
+    if backend == "cuda_ref":
+        import cuda_ref
+
+        return cuda_ref.extend_attention(*args, **kw)
+    return extend_attention_torch(*args, **kw)

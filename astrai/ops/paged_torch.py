@@ -1,0 +1,91 @@
+"""Vectorised plain-torch paged attention: the CPU path of `astrai.ops.attention`.
+
+These gather each request's K/V from the pool into a padded [B, P*N] view and run SDPA with a mask. Shapes
+depend only on tensor shapes (never on values), so they trace under `torch.compile` without host syncs.
+Extend attention flattens all requests' keys into one axis and masks out other requests' keys: simple and
+static-shaped, at the cost of B x the attention FLOPs (negligible next to the projections on CPU).
+The per-request loop references in `triton_kernels/*_ref` are the specification these are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _gather_pages(cache: Tensor, block_table: Tensor, page_size: int) -> Tensor:
+    # cache: [S, K, D], block_table: [B, P] -> [B, P*N, K, D] (rows past a request's length are garbage)
+    num_pages = cache.shape[0] // page_size
+    pages = block_table.long().clamp(0, num_pages - 1)
+    return cache.view(num_pages, page_size, *cache.shape[1:])[pages].flatten(1, 2)
+
+
+def _key_mask(q_pos: Tensor, k_pos: Tensor, seq_lens: Tensor, window: int) -> Tensor:
+    # q_pos: [B, Tq], k_pos: [S], seq_lens: [B] -> [B, Tq, S] bool: causal, within length and window
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    if window > 0:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    return mask
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    # q: [B, H, Tq, D], k/v: [B, K, S, D], mask: [B, 1, Tq, S]. Fully masked rows give zeros, not NaN.
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def decode_attention_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    page_size: int,
+    scale: float,
+    window: int = 0,
+) -> Tensor:
+    """q: [B, H, D] (one token per request at position seq_lens-1) -> [B, H, D]."""
+    k = _gather_pages(k_cache, block_table, page_size)  # [B, S, K, D]
+    v = _gather_pages(v_cache, block_table, page_size)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    q_pos = (seq_lens.long() - 1)[:, None]  # [B, 1]
+    mask = _key_mask(q_pos, k_pos, seq_lens.long(), window)[:, None]  # [B, 1, 1, S]
+    out = _sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), mask, scale)  # [B, H, 1, D]
+    return out[:, :, 0, :]
+
+
+def extend_attention_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    *,
+    page_size: int,
+    scale: float,
+    window: int = 0,
+) -> Tensor:
+    """q: [T, H, D] ragged new tokens (request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> [T, H, D]."""
+    num_tokens, num_reqs = q.shape[0], seq_lens.shape[0]
+    cu = cu_seqlens_q.long()
+    rows = torch.arange(num_tokens, device=q.device)
+    req = torch.searchsorted(cu[1:], rows, right=True).clamp(max=num_reqs - 1)  # [T] owning request
+    q_len = cu[1:] - cu[:-1]
+    q_pos = seq_lens.long()[req] - q_len[req] + (rows - cu[req])  # [T] absolute positions
+    k = _gather_pages(k_cache, block_table, page_size)  # [B, S, K, D]
+    v = _gather_pages(v_cache, block_table, page_size)
+    span = k.shape[1]
+    k_pos = torch.arange(span, device=q.device)
+    # mask over the flattened [B*S] key axis: same request, causal, in length and window
+    own = req[:, None] == torch.arange(num_reqs, device=q.device)[None, :]  # [T, B]
+    per_req = _key_mask(q_pos[None, :], k_pos, seq_lens.long(), window)  # [B, T, S]
+    mask = (per_req & own.T[:, :, None]).permute(1, 0, 2).reshape(1, 1, num_tokens, num_reqs * span)
+    k_all = k.reshape(1, num_reqs * span, *k.shape[2:]).transpose(1, 2)  # [1, K, B*S, D]
+    v_all = v.reshape(1, num_reqs * span, *v.shape[2:]).transpose(1, 2)
+    out = _sdpa(q.transpose(0, 1)[None], k_all, v_all, mask, scale)  # [1, H, T, D]
+    return out[0].transpose(0, 1)

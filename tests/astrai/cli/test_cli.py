@@ -1,0 +1,53 @@
+"""`astrai info / generate / chat` on a saved tiny model, and friendly errors instead of tracebacks."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+import astrai
+from astrai.cli.main import main
+from helpers import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("cli") / "m")
+
+
+def test_info_shows_config_and_counts(model_dir, capsys):
+    main(["info", "--model", model_dir])
+    out = capsys.readouterr().out
+    model = astrai.load(model_dir)
+    assert "qwen3" in out and "num_hidden_layers" in out
+    assert f"{model.num_parameters:,}" in out
+
+
+def test_generate_streams_the_greedy_completion(model_dir, capsys):
+    main(["generate", "--model", model_dir, "--prompt", "hello world", "--max-tokens", "12"])
+    out = capsys.readouterr().out
+    model = astrai.load(model_dir)
+    expected = astrai.generate(model, ["hello world"], max_tokens=12)[0]
+    assert expected in out
+
+
+def test_chat_uses_the_template_over_turns(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi there\nand again\n/exit\n"))
+    main(["chat", "--model", model_dir, "--temperature", "0", "--max-tokens", "8"])
+    out = capsys.readouterr().out
+    model = astrai.load(model_dir)
+    first = [{"role": "user", "content": "hi there"}]
+    reply = astrai.generate(model, [model.tokenizer.apply_chat_template(first, tokenize=True)], max_tokens=8)[0]
+    assert reply in out and out.count("model>") == 2
+
+
+def test_bad_folder_is_one_line_error_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "astrai.cli.main", "info", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "error:" in proc.stderr and "no config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr

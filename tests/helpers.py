@@ -1,0 +1,104 @@
+"""Shared test helpers: tolerance checks that report max and mean differences."""
+
+from __future__ import annotations
+
+import torch
+
+# dtype -> (atol, rtol) used by kernel and model comparisons.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0, msg: str = ""):
+    """Like torch.testing.assert_close but reports the max and mean absolute difference on failure."""
+    assert actual.shape == expected.shape, f"{msg} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    diff = (a - e).abs()
+    bound = atol + rtol * e.abs()
+    if not bool((diff <= bound).all()):
+        raise AssertionError(
+            f"{msg} not close: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}, "
+            f"atol {atol}, rtol {rtol}, worst at {tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])}"
+        )
+
+
+# ---- tiny random transformers checkpoints (independent reference models) ------------------------------------
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_hf_model(family: str, seed: int = 0, **overrides):
+    """A random tiny transformers causal LM of `family` (eager attention, eval mode).
+
+    Norm gains and biases are perturbed away from their 1/0 init so that tests see them.
+    """
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    kwargs = {**TINY, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **overrides}
+    if family == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save_hf(model, folder, **kwargs) -> str:
+    """`save_pretrained` quietly; returns the folder as str."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(str(folder), **kwargs)
+    return str(folder)
+
+
+def tiny_model_dir(folder, *, seed: int = 0) -> str:
+    """Save a tiny random qwen3-shaped astrai model with a locally trained tokenizer and a ChatML template."""
+    from astrai.io.model import Model, save
+    from astrai.io.templates import chatml_template
+    from astrai.io.tokenizer import train_tokenizer
+    from astrai.models.config import ModelConfig
+    from astrai.models.decoder import init_params
+
+    corpus = ["hello world, this is a tiny corpus", "the quick brown fox jumps over the lazy dog"] * 4
+    tok = train_tokenizer(corpus, vocab_size=300, chat_template=chatml_template())
+    cfg = ModelConfig(
+        model_type="qwen3",
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=512,
+        eos_token_id=(tok.eos_token_id,),
+    )
+    model = Model(config=cfg, params=init_params(cfg, seed=seed), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
+    return str(save(model, folder))
