@@ -8,6 +8,8 @@ import torch
 # Triton reads this when kernel modules are imported, so it must be set before any test module imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton 3.9 warns on the first GPU compile when this is unset; filterwarnings=error would turn that into a failure.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# Kernel tests run on the GPU (compiled) when there is one, else on the CPU under TRITON_INTERPRET=1.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # dtype -> (atol, rtol) used by kernel and model comparisons.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-5, 1e-5),
@@ -16,6 +19,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, r
     """Like torch.testing.assert_close but reports the max and mean absolute difference on failure."""
     assert actual.shape == expected.shape, f"{msg} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    nan_a, nan_e = int(a.isnan().sum()), int(e.isnan().sum())
+    if nan_a or nan_e:
+        raise AssertionError(f"{msg} NaNs: {nan_a} in actual, {nan_e} in expected")
     diff = (a - e).abs()
     bound = atol + rtol * e.abs()
     if not bool((diff <= bound).all()):

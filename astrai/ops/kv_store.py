@@ -20,9 +20,7 @@ def kv_store_(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappi
 
         kv_store_kernel_(k_cache, v_cache, k, v, slot_mapping)
         return
-    # Padding rows (slot < 0) go to a clamped slot with their old value kept, so there is no data-dependent
-    # shape and no host sync.
-    valid = (slot_mapping >= 0)[:, None, None]
-    slots = slot_mapping.clamp(min=0)
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype).where(valid, k_cache[slots]))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype).where(valid, v_cache[slots]))
+    # the reference is already vectorised and sync-free, so it is the CPU path too
+    from triton_kernels.kv_store import kv_store_ref_
+
+    kv_store_ref_(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), slot_mapping)

@@ -14,11 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _gather_pages(cache: Tensor, block_table: Tensor, page_size: int) -> Tensor:
-    # cache: [S, K, D], block_table: [B, P] -> [B, P*N, K, D] (rows past a request's length are garbage)
+def _gather_pages(cache: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int) -> Tensor:
+    # cache: [S, K, D], block_table: [B, P] -> [B, P*N, K, D]; rows past a request's length are zeroed, so
+    # stale or non-finite values in pages it does not own can never leak through a 0-weight (0 * NaN = NaN)
     num_pages = cache.shape[0] // page_size
     pages = block_table.long().clamp(0, num_pages - 1)
-    return cache.view(num_pages, page_size, *cache.shape[1:])[pages].flatten(1, 2)
+    out = cache.view(num_pages, page_size, *cache.shape[1:])[pages].flatten(1, 2)
+    owned = torch.arange(out.shape[1], device=cache.device)[None, :] < seq_lens.long()[:, None]  # [B, P*N]
+    return out.masked_fill(~owned[:, :, None, None], 0)
 
 
 def _key_mask(q_pos: Tensor, k_pos: Tensor, seq_lens: Tensor, window: int) -> Tensor:
@@ -49,8 +52,8 @@ def decode_attention_torch(
     window: int = 0,
 ) -> Tensor:
     """q: [B, H, D] (one token per request at position seq_lens-1) -> [B, H, D]."""
-    k = _gather_pages(k_cache, block_table, page_size)  # [B, S, K, D]
-    v = _gather_pages(v_cache, block_table, page_size)
+    k = _gather_pages(k_cache, block_table, seq_lens, page_size)  # [B, S, K, D]
+    v = _gather_pages(v_cache, block_table, seq_lens, page_size)
     k_pos = torch.arange(k.shape[1], device=q.device)
     q_pos = (seq_lens.long() - 1)[:, None]  # [B, 1]
     mask = _key_mask(q_pos, k_pos, seq_lens.long(), window)[:, None]  # [B, 1, 1, S]
@@ -77,12 +80,13 @@ def extend_attention_torch(
     req = torch.searchsorted(cu[1:], rows, right=True).clamp(max=num_reqs - 1)  # [T] owning request
     q_len = cu[1:] - cu[:-1]
     q_pos = seq_lens.long()[req] - q_len[req] + (rows - cu[req])  # [T] absolute positions
-    k = _gather_pages(k_cache, block_table, page_size)  # [B, S, K, D]
-    v = _gather_pages(v_cache, block_table, page_size)
+    k = _gather_pages(k_cache, block_table, seq_lens, page_size)  # [B, S, K, D]
+    v = _gather_pages(v_cache, block_table, seq_lens, page_size)
     span = k.shape[1]
     k_pos = torch.arange(span, device=q.device)
     # mask over the flattened [B*S] key axis: same request, causal, in length and window
-    own = req[:, None] == torch.arange(num_reqs, device=q.device)[None, :]  # [T, B]
+    # padding rows past cu_seqlens_q[-1] own no request, so they attend to nothing and come out as zeros
+    own = (req[:, None] == torch.arange(num_reqs, device=q.device)[None, :]) & (rows < cu[-1])[:, None]  # [T, B]
     per_req = _key_mask(q_pos[None, :], k_pos, seq_lens.long(), window)  # [B, T, S]
     mask = (per_req & own.T[:, :, None]).permute(1, 0, 2).reshape(1, 1, num_tokens, num_reqs * span)
     k_all = k.reshape(1, num_reqs * span, *k.shape[2:]).transpose(1, 2)  # [1, K, B*S, D]

@@ -2,23 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from astrai.ops.backend import attn_backend
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    # x: [N, heads, D]; cos/sin: [N, D/2] fp32. Math in fp32, result in x's dtype.
-    xf = x.float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out.to(x.dtype)
 
 
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> tuple[Tensor, Tensor]:
@@ -41,4 +27,7 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool 
         import cuda_ref
 
         return cuda_ref.rotary(q, k, cos, sin, interleaved=interleaved)
-    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+    # the reference is vectorised fp32 torch, so it is also the CPU path
+    from triton_kernels.rotary import rotary_ref
+
+    return rotary_ref(q, k, cos, sin, interleaved=interleaved)

@@ -1,0 +1,267 @@
+"""Prefill and single-stream decode speed of astrai vs transformers on the same random weights (CPU).
+
+For each config (SmolLM2-135M-shaped, Qwen2.5-0.5B-shaped) and dtype it measures, side by side in one run:
+- prefill tok/s of a `--prompt-len` prompt (both sides compute logits for the last row only:
+  astrai via `logits_positions`, transformers via `logits_to_keep=1` as its `generate` does);
+- batch-1 greedy decode tok/s over `--decode-tokens` steps with a KV cache: transformers (DynamicCache),
+  astrai eager `decode_step`, and astrai `torch.compile`d `decode_step`;
+- the decode roofline fraction: bytes of weights read per token x tok/s / measured memory read bandwidth.
+
+Prints a rich table and writes JSON (also the last stdout line). `--smoke` runs a tiny config in seconds.
+Usage: python benchmarks/bench_forward.py [--configs smollm2-135m qwen2.5-0.5b] [--dtypes float32 bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import astrai
+from astrai.inference.cache import init_kv_cache, make_attn_meta, pages_needed
+from astrai.inference.step import compile_step, decode_step, prefill_step
+
+CONFIGS = {
+    "smollm2-135m": dict(
+        family="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "tiny": dict(
+        family="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ),
+}
+console = Console()
+
+
+def memory_bandwidth_gbs(size_mib: int = 1024, repeats: int = 5) -> float:
+    """Measured read bandwidth: best time of summing a large fp32 tensor."""
+    x = torch.ones(size_mib * 2**20 // 4)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build(name: str, dtype: torch.dtype, folder: Path):
+    """A random transformers model of config `name` and the same weights loaded by astrai."""
+    import transformers
+
+    spec = dict(CONFIGS[name])
+    family = spec.pop("family")
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[family]
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    config = cfg_cls(**spec)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = cls(config).eval().to(dtype)
+    hf.save_pretrained(folder)
+    return hf, astrai.load(folder, dtype=dtype)
+
+
+def hf_prefill_decode(hf, prompt: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of transformers with a DynamicCache, greedy."""
+    from transformers.cache_utils import DynamicCache
+
+    prefill_times, decode_rates = [], []
+    for _ in range(repeats):
+        cache = DynamicCache(config=hf.config)
+        start = time.perf_counter()
+        out = hf(prompt[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill_times.append(time.perf_counter() - start)
+        token = out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = hf(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        decode_rates.append(steps / (time.perf_counter() - start))
+    return prompt.numel() / statistics.median(prefill_times), statistics.median(decode_rates)
+
+
+def astrai_prefill_decode(model, prompt: torch.Tensor, steps: int, repeats: int, compiled: bool):
+    """(prefill tok/s, decode tok/s) of astrai's paged steps, greedy; `compiled` wraps them in torch.compile."""
+    cfg, page = model.config, 16
+    pages = [list(range(1, 1 + pages_needed(prompt.numel() + steps + 2, page)))]
+    prefill = compile_step(prefill_step, cfg=cfg) if compiled else (lambda *a: prefill_step(*a, cfg=cfg))
+    decode = compile_step(decode_step, cfg=cfg) if compiled else (lambda *a: decode_step(*a, cfg=cfg))
+    n = prompt.numel()
+    prefill_times, decode_rates = [], []
+    for rep in range(repeats + (1 if compiled else 0)):  # one extra warm-up run pays the compile
+        cache = init_kv_cache(cfg, len(pages[0]) + 1, page, dtype=model.dtype, device="cpu")
+        meta = make_attn_meta(pages, [0], [n], page_size=page, device="cpu")
+        start = time.perf_counter()
+        logits = prefill(model.params, prompt, meta, cache, torch.tensor([n - 1]))
+        elapsed = time.perf_counter() - start
+        token = logits.argmax(-1)
+        metas = [make_attn_meta(pages, [n + i], [1], page_size=page, device="cpu", decode=True) for i in range(steps)]
+        start = time.perf_counter()
+        for meta in metas:
+            token = decode(model.params, token, meta, cache).argmax(-1)
+        rate = steps / (time.perf_counter() - start)
+        if not (compiled and rep == 0):
+            prefill_times.append(elapsed)
+            decode_rates.append(rate)
+    return n / statistics.median(prefill_times), statistics.median(decode_rates)
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes read per decode token: every weight once (the embedding table only as the tied LM head)."""
+    total = model.nbytes
+    if model.params.lm_head is not None:
+        total -= model.params.embed_tokens.weight.numel() * model.params.embed_tokens.weight.element_size()
+    return total
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    bandwidth = memory_bandwidth_gbs(256 if args.smoke else 1024)
+    results = []
+    with torch.inference_mode():
+        for name in args.configs:
+            for dtype_name in args.dtypes:
+                dtype = getattr(torch, dtype_name)
+                with tempfile.TemporaryDirectory() as tmp:
+                    hf, model = build(name, dtype, Path(tmp))
+                gen = torch.Generator().manual_seed(0)
+                prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen)
+                console.print(f"[dim]{name} {dtype_name}: transformers...[/]")
+                hf_pre, hf_dec = hf_prefill_decode(hf, prompt, args.decode_tokens, args.repeats)
+                console.print(f"[dim]{name} {dtype_name}: astrai eager...[/]")
+                ea_pre, ea_dec = astrai_prefill_decode(model, prompt, args.decode_tokens, args.repeats, False)
+                console.print(f"[dim]{name} {dtype_name}: astrai compiled (includes a compile)...[/]")
+                co_pre, co_dec = astrai_prefill_decode(model, prompt, args.decode_tokens, args.repeats, True)
+                weight_bytes = decode_weight_bytes(model)
+                best_dec = max(ea_dec, co_dec)
+                results.append(
+                    dict(
+                        config=name,
+                        dtype=dtype_name,
+                        params=model.num_parameters,
+                        prompt_len=args.prompt_len,
+                        hf_prefill_tok_s=hf_pre,
+                        astrai_prefill_tok_s=ea_pre,
+                        astrai_compiled_prefill_tok_s=co_pre,
+                        hf_decode_tok_s=hf_dec,
+                        astrai_decode_tok_s=ea_dec,
+                        astrai_compiled_decode_tok_s=co_dec,
+                        decode_speedup=best_dec / hf_dec,
+                        prefill_speedup=max(ea_pre, co_pre) / hf_pre,
+                        weight_bytes_per_token=weight_bytes,
+                        roofline_fraction=weight_bytes * best_dec / (bandwidth * 1e9),
+                        hf_roofline_fraction=weight_bytes * hf_dec / (bandwidth * 1e9),
+                    )
+                )
+                del hf, model
+    return dict(
+        benchmark="bench_forward",
+        machine=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        memory_read_gbs=bandwidth,
+        decode_tokens=args.decode_tokens,
+        results=results,
+    )
+
+
+def print_table(report: dict) -> None:
+    table = Table(
+        title=f"astrai vs transformers, CPU ({report['threads']} threads, "
+        f"read bandwidth {report['memory_read_gbs']:.1f} GB/s)"
+    )
+    for col in (
+        "config",
+        "dtype",
+        "prefill HF",
+        "prefill astrai",
+        "×",
+        "decode HF",
+        "decode astrai",
+        "decode compiled",
+        "×",
+        "roofline astrai",
+        "roofline HF",
+    ):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(
+            r["config"],
+            r["dtype"],
+            f"{r['hf_prefill_tok_s']:.0f}",
+            f"{max(r['astrai_prefill_tok_s'], r['astrai_compiled_prefill_tok_s']):.0f}",
+            f"{r['prefill_speedup']:.2f}",
+            f"{r['hf_decode_tok_s']:.1f}",
+            f"{r['astrai_decode_tok_s']:.1f}",
+            f"{r['astrai_compiled_decode_tok_s']:.1f}",
+            f"{r['decode_speedup']:.2f}",
+            f"{r['roofline_fraction']:.0%}",
+            f"{r['hf_roofline_fraction']:.0%}",
+        )
+    console.print(table)
+    console.print("[dim]tok/s; × = best astrai / transformers, measured side by side in this run[/]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"], choices=sorted(CONFIGS))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_forward.json"))
+    args = parser.parse_args()
+    if args.smoke:
+        args.configs, args.dtypes, args.prompt_len, args.decode_tokens, args.repeats = ["tiny"], ["float32"], 32, 8, 1
+    report = run(args)
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

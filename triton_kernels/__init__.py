@@ -1,0 +1,1 @@
+"""Triton kernels, one op per module, each beside its torch reference."""
