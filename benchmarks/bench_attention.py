@@ -29,60 +29,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
-from rich.table import Table
+from _common import bench_ms, console, cuda_ref_fn, device_peaks, emit, optional_module, table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_attention.json"
-# Peak HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s) by device-name substring; first match wins.
-PEAKS: list[tuple[str, float, float]] = [
-    ("H200", 4.8e12, 989e12),
-    ("H100 NVL", 3.9e12, 835e12),
-    ("H100 PCIe", 2.0e12, 756e12),
-    ("H100", 3.35e12, 989e12),  # SXM (device name "H100 80GB HBM3")
-    ("A100-SXM4-80GB", 2.039e12, 312e12),
-    ("A100 80GB PCIe", 1.935e12, 312e12),
-    ("A100", 1.555e12, 312e12),  # 40 GB parts
-    ("L40S", 0.864e12, 362e12),
-    ("RTX 4090", 1.008e12, 165e12),
-]
-console = Console(width=140)
-
-
-def peaks(device_name: str) -> tuple[float, float | None, str]:
-    """(bandwidth B/s, bf16 FLOP/s or None, source) for the current device; measures bandwidth if unknown."""
-    for key, bandwidth, flops in PEAKS:
-        if key in device_name:
-            return bandwidth, flops, "table"
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (ms * 1e-3), None, "measured copy"
-
-
-def _bench(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    fn()  # compile / autotune outside the timed region
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _optional(module: str):
-    try:
-        return __import__(module, fromlist=["_"])
-    except Exception:  # a missing or broken optional dependency only removes a provider
-        return None
-
-
-def _cuda_ref_op(name: str) -> Callable | None:
-    cuda_ref = _optional("cuda_ref")
-    if cuda_ref is None:
-        return None
-    try:
-        ops = cuda_ref.load() if hasattr(cuda_ref, "load") else cuda_ref
-        return getattr(ops, name, None)
-    except Exception as e:  # the extension failed to build: report and skip the provider
-        console.print(f"[yellow]cuda_ref unavailable: {e}")
-        return None
 
 
 def _paged_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page_size: int) -> dict:
@@ -114,11 +63,11 @@ def _decode_providers(c: dict, page_size: int, scale: float, skip: list[str]) ->
         "triton": lambda: decode_attention(*paged, **kw),
         "torch_sdpa": lambda: F.scaled_dot_product_attention(q4, k_bhsd, v_bhsd, scale=scale, enable_gqa=True)[:, :, 0],
     }
-    if "cuda_ref" not in skip and (cuda_ref_decode := _cuda_ref_op("decode_attention")) is not None:
+    if "cuda_ref" not in skip and (cuda_ref_decode := cuda_ref_fn("decode_attention")) is not None:
         providers["cuda_ref"] = lambda: cuda_ref_decode(*paged, **kw)
     if "flashinfer" not in skip and (fi := _flashinfer_decode(c, page_size, scale)) is not None:
         providers["flashinfer"] = fi
-    if (fa := _optional("flash_attn")) is not None:
+    if (fa := optional_module("flash_attn")) is not None:
         lens = c["seq_lens"]
         providers["flash_attn"] = lambda: fa.flash_attn_with_kvcache(
             c["q"][:, None], c["k_nhd"], c["v_nhd"], cache_seqlens=lens, softmax_scale=scale
@@ -127,7 +76,7 @@ def _decode_providers(c: dict, page_size: int, scale: float, skip: list[str]) ->
 
 
 def _flashinfer_decode(c: dict, page_size: int, scale: float) -> Callable[[], torch.Tensor] | None:
-    flashinfer = _optional("flashinfer")
+    flashinfer = optional_module("flashinfer")
     if flashinfer is None:
         return None
     try:
@@ -146,7 +95,9 @@ def _flashinfer_decode(c: dict, page_size: int, scale: float) -> Callable[[], to
         return None
 
 
-def _measure(providers: dict[str, Callable[[], torch.Tensor]], label: str) -> list[tuple[str, float, float | None]]:
+def _measure(
+    providers: dict[str, Callable[[], torch.Tensor]], label: str, graphs: bool
+) -> list[tuple[str, float, float | None]]:
     """(provider, median ms, max |out - torch SDPA out|) per provider; a failing provider is reported and skipped."""
     try:
         expected = providers["torch_sdpa"]().float() if "torch_sdpa" in providers else None
@@ -158,7 +109,7 @@ def _measure(providers: dict[str, Callable[[], torch.Tensor]], label: str) -> li
         try:
             out = fn()
             diff = None if expected is None else (out.float() - expected).abs().max().item()
-            results.append((name, _bench(fn), diff))
+            results.append((name, bench_ms(fn, graphs=graphs), diff))
         except Exception as e:  # one failing provider must not hide the others
             console.print(f"[red]{label}: {name} failed: {e}")
     return results
@@ -175,7 +126,7 @@ def bench_decode(args: argparse.Namespace, peak_bw: float) -> list[dict]:
             # K and V of every cached token plus q and out, bf16.
             nbytes = 2 * batch * ctx * kv_heads * head_dim * 2 + 2 * batch * heads * head_dim * 2
             providers = _decode_providers(c, page, head_dim**-0.5, args.skip)
-            for name, ms, diff in _measure(providers, f"decode B={batch} ctx={ctx}"):
+            for name, ms, diff in _measure(providers, f"decode B={batch} ctx={ctx}", args.graphs):
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 rows.append(dict(batch=batch, ctx=ctx, provider=name, ms=ms, gbps=gbps,
                                  frac_peak=gbps * 1e9 / peak_bw, max_diff_vs_sdpa=diff))  # fmt: skip
@@ -200,7 +151,7 @@ def _extend_providers(c: dict, q: torch.Tensor, page_size: int, scale: float) ->
             .reshape(q.shape)
         ),
     }
-    if (fa := _optional("flash_attn")) is not None:
+    if (fa := optional_module("flash_attn")) is not None:
         q_nhd = q.view(batch, ctx, *q.shape[1:])  # [B, ctx, H, D]
         providers["flash_attn"] = lambda: fa.flash_attn_func(
             q_nhd, c["k_nhd"], c["v_nhd"], causal=True, softmax_scale=scale
@@ -225,7 +176,7 @@ def bench_extend(args: argparse.Namespace, peak_flops: float | None) -> list[dic
             flops = 4 * batch * heads * head_dim * ctx * ctx / 2
             providers = _extend_providers(c, q, page, head_dim**-0.5)
             providers = {name: fn for name, fn in providers.items() if name not in args.skip}
-            for name, ms, diff in _measure(providers, f"extend B={batch} ctx={ctx}"):
+            for name, ms, diff in _measure(providers, f"extend B={batch} ctx={ctx}", args.graphs):
                 tflops = flops / (ms * 1e-3) / 1e12
                 frac = tflops * 1e12 / peak_flops if peak_flops else None
                 rows.append(dict(batch=batch, ctx=ctx, provider=name, ms=ms, tflops=tflops, frac_peak=frac,
@@ -280,17 +231,6 @@ def smoke() -> list[dict]:
     return rows
 
 
-def _table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> Table:
-    """A rich table of `rows`; `columns` are (key, format spec) pairs, floats formatted with the spec."""
-    table = Table(title=title)
-    for key, _ in columns:
-        table.add_column(key, justify="right")
-    for row in rows:
-        cells = [(row.get(key), spec) for key, spec in columns]
-        table.add_row(*["-" if v is None else format(v, f) if f else str(v) for v, f in cells])
-    return table
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny interpreted CPU check of each kernel (CI)")
@@ -303,15 +243,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128, help="head dim D")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (must divide every ctx)")
     p.add_argument("--skip", nargs="+", default=[], help="providers to leave out, e.g. cuda_ref (builds on import)")
+    p.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        help="time eager launches instead of CUDA-graph replays (adds Python launch overhead)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     return p.parse_args(argv)
-
-
-def _emit(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    console.file.flush()
-    print(json.dumps(result), flush=True)  # the last stdout line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,26 +259,27 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
         rows = smoke()
         cols = [("kernel", ""), ("shape", ""), ("ms", ".1f"), ("max_diff", ".2e"), ("ok", "")]
-        console.print(_table("attention kernels vs references (interpreter, CPU, fp32)", rows, cols))
-        _emit(dict(bench="attention", mode="smoke", rows=rows), args.out)
+        console.print(table("attention kernels vs references (interpreter, CPU, fp32)", rows, cols))
+        emit(dict(bench="attention", mode="smoke", rows=rows), args.out)
         return 0 if all(r["ok"] for r in rows) else 1
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
         print(json.dumps(dict(bench="attention", mode="skipped", reason="no CUDA device")))
         return 0
     name = torch.cuda.get_device_name()
-    peak_bw, peak_flops, source = peaks(name)
+    peak_bw, peak_flops, source = device_peaks(name, graphs=args.graphs)
     decode = bench_decode(args, peak_bw)
     cols = [("batch", ""), ("ctx", ""), ("provider", ""), ("ms", ".4f"), ("gbps", ".0f"), ("frac_peak", ".1%"),
             ("max_diff_vs_sdpa", ".2e")]  # fmt: skip
-    console.print(_table(f"paged decode, bf16, H={args.heads} K={args.kv_heads} D={args.head_dim}, {name} "
+    console.print(table(f"paged decode, bf16, H={args.heads} K={args.kv_heads} D={args.head_dim}, {name} "
                          f"(peak {peak_bw / 1e12:.2f} TB/s, {source})", decode, cols))  # fmt: skip
     extend = bench_extend(args, peak_flops)
     cols = [c if c[0] != "gbps" else ("tflops", ".1f") for c in cols]
-    console.print(_table("causal prefill (extend, prefix 0), bf16", extend, cols))
-    result = dict(bench="attention", mode="gpu", device=name, peak_gbps=peak_bw / 1e9, peak_source=source,
-                  peak_tflops=peak_flops / 1e12 if peak_flops else None, decode=decode, extend=extend)  # fmt: skip
-    _emit(result, args.out)
+    console.print(table("causal prefill (extend, prefix 0), bf16", extend, cols))
+    result = dict(bench="attention", mode="gpu", device=name, cuda_graphs=args.graphs, peak_gbps=peak_bw / 1e9,
+                  peak_source=source, peak_tflops=peak_flops / 1e12 if peak_flops else None, decode=decode,
+                  extend=extend)  # fmt: skip
+    emit(result, args.out)
     return 0
 
 

@@ -25,49 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
+from _common import bench_ms, console, cuda_ref_fn, device_peaks, emit, table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_rotary.json"
-# Peak HBM bandwidth (bytes/s) by device-name substring; first match wins.
-PEAK_BANDWIDTH: list[tuple[str, float]] = [
-    ("H200", 4.8e12),
-    ("H100 NVL", 3.9e12),
-    ("H100 PCIe", 2.0e12),
-    ("H100", 3.35e12),  # SXM (device name "H100 80GB HBM3")
-    ("A100-SXM4-80GB", 2.039e12),
-    ("A100 80GB PCIe", 1.935e12),
-]
-console = Console(width=140)
-
-
-def peak_bandwidth(device_name: str) -> tuple[float, str]:
-    """(bytes/s, source) for the current device; measures a 1 GiB device copy when the name is unknown."""
-    for key, bandwidth in PEAK_BANDWIDTH:
-        if key in device_name:
-            return bandwidth, "table"
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (ms * 1e-3), "measured copy"
-
-
-def _bench(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    fn()  # compile outside the timed region
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _cuda_ref_rotary() -> Callable | None:
-    try:
-        import cuda_ref
-
-        ops = cuda_ref.load() if hasattr(cuda_ref, "load") else cuda_ref
-        return ops.rotary
-    except Exception as e:  # missing, or the extension failed to build: the provider is skipped
-        console.print(f"[yellow]cuda_ref unavailable: {e}")
-        return None
 
 
 def _providers(interleaved: bool) -> dict[str, Callable]:
@@ -79,7 +39,7 @@ def _providers(interleaved: bool) -> dict[str, Callable]:
         "torch": lambda *a: rotary_ref(*a, interleaved=interleaved),
         "torch_compile": lambda *a: compiled(*a, interleaved=interleaved),
     }
-    if (cuda_rotary := _cuda_ref_rotary()) is not None:
+    if (cuda_rotary := cuda_ref_fn("rotary")) is not None:
         providers["cuda_ref"] = lambda *a: cuda_rotary(*a, interleaved=interleaved)
     return providers
 
@@ -109,7 +69,7 @@ def bench(args: argparse.Namespace, peak: float) -> list[dict]:
                         diff = max(
                             (o.float() - e.float()).abs().max().item() for o, e in zip(out, expected, strict=True)
                         )
-                        ms = _bench(lambda fn=fn, inputs=inputs: fn(*inputs))
+                        ms = bench_ms(lambda fn=fn, inputs=inputs: fn(*inputs), graphs=args.graphs)
                     except Exception as e:  # one failing provider must not hide the others
                         console.print(f"[red]{name} T={tokens} H={heads} K={kv_heads} failed: {e}")
                         continue
@@ -140,17 +100,6 @@ def smoke() -> list[dict]:
     return rows
 
 
-def _table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> Table:
-    """A rich table of `rows`; `columns` are (key, format spec) pairs, floats formatted with the spec."""
-    table = Table(title=title)
-    for key, _ in columns:
-        table.add_column(key, justify="right")
-    for row in rows:
-        cells = [(row.get(key), spec) for key, spec in columns]
-        table.add_row(*["-" if v is None else format(v, f) if f else str(v) for v, f in cells])
-    return table
-
-
 def _heads(text: str) -> tuple[int, int]:
     heads, kv_heads = text.split(",")
     return int(heads), int(kv_heads)
@@ -162,15 +111,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 4096, 32768], help="token counts T")
     p.add_argument("--heads", type=_heads, nargs="+", default=[(32, 8), (64, 8)], help="H,K pairs")
     p.add_argument("--head-dim", type=int, default=128, help="head dim D")
+    p.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        help="time eager launches instead of CUDA-graph replays (adds Python launch overhead)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     return p.parse_args(argv)
-
-
-def _emit(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    console.file.flush()
-    print(json.dumps(result), flush=True)  # the last stdout line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,22 +127,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
         rows = smoke()
         cols = [("layout", ""), ("shape", ""), ("ms", ".1f"), ("max_diff", ".2e"), ("ok", "")]
-        console.print(_table("rotary vs rotary_ref (interpreter, CPU, fp32)", rows, cols))
-        _emit(dict(bench="rotary", mode="smoke", rows=rows), args.out)
+        console.print(table("rotary vs rotary_ref (interpreter, CPU, fp32)", rows, cols))
+        emit(dict(bench="rotary", mode="smoke", rows=rows), args.out)
         return 0 if all(r["ok"] for r in rows) else 1
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
         print(json.dumps(dict(bench="rotary", mode="skipped", reason="no CUDA device")))
         return 0
     name = torch.cuda.get_device_name()
-    peak, source = peak_bandwidth(name)
+    peak, _, source = device_peaks(name, graphs=args.graphs)
     rows = bench(args, peak)
     cols = [("layout", ""), ("tokens", ""), ("heads", ""), ("kv_heads", ""), ("provider", ""), ("ms", ".4f"),
             ("gbps", ".0f"), ("frac_peak", ".1%"), ("max_diff_vs_torch", ".2e")]  # fmt: skip
-    console.print(_table(f"rotary q+k, bf16, D={args.head_dim}, {name} (peak {peak / 1e12:.2f} TB/s, {source})",
+    console.print(table(f"rotary q+k, bf16, D={args.head_dim}, {name} (peak {peak / 1e12:.2f} TB/s, {source})",
                          rows, cols))  # fmt: skip
-    result = dict(bench="rotary", mode="gpu", device=name, peak_gbps=peak / 1e9, peak_source=source, rows=rows)
-    _emit(result, args.out)
+    result = dict(bench="rotary", mode="gpu", device=name, cuda_graphs=args.graphs, peak_gbps=peak / 1e9,
+                  peak_source=source, rows=rows)  # fmt: skip
+    emit(result, args.out)
     return 0
 
 

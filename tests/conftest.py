@@ -22,5 +22,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords or "cuda_ref" in item.keywords:
+        # markers, not keywords: keywords include folder names (tests/cuda_ref/ holds CPU tests too)
+        if item.get_closest_marker("gpu") or item.get_closest_marker("cuda_ref"):
             item.add_marker(skip_gpu)
+
+
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """Readable ids for dtypes (`bfloat16` rather than `dtype2`), so `-k` can select them."""
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    return None

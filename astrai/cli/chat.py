@@ -54,7 +54,7 @@ def main(cfg: ChatConfig) -> None:
             history = history[:1] if cfg.system else []
             continue
         history.append({"role": "user", "content": text})
-        ids = run_guarded(lambda: model.tokenizer.apply_chat_template(history, tokenize=True))
+        ids = run_guarded(lambda h=history: model.tokenizer.apply_chat_template(h, tokenize=True))
         console.print("[bold blue]model>[/] ", end="")
         reply = run_guarded(
             lambda ids=ids: stream_text(

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICE, TOLERANCES, assert_close
 from torch import Tensor
 
+from helpers import DEVICE, TOLERANCES, assert_close
 from triton_kernels.decode_attention import _decode_attention, _num_splits, decode_attention, decode_attention_ref
 
 # Mixed lengths: a single token, lengths that are not multiples of a block (16), an exact multiple, and a

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TOLERANCES, assert_close
 
+from helpers import TOLERANCES, assert_close
 from triton_kernels.extend_attention import extend_attention, extend_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

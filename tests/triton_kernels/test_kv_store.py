@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE
 from torch import Tensor
 
+from helpers import DEVICE
 from triton_kernels.kv_store import kv_store_, kv_store_ref_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

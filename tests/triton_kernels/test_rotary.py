@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOLERANCES, assert_close
 
+from helpers import TOLERANCES, assert_close
 from triton_kernels.rotary import rotary, rotary_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

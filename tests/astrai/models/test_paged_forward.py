@@ -47,13 +47,13 @@ def test_chunked_prefill_then_decode_matches_dense(model, page_size):
         meta = make_attn_meta(
             [pages[i] for i in rows],
             starts,
-            [e - s for s, e in zip(starts, ends)],
+            [e - s for s, e in zip(starts, ends, strict=True)],
             page_size=page_size,
             device="cpu",
         )
-        tokens = torch.cat([seqs[i][s:e] for i, s, e in zip(rows, starts, ends)])
+        tokens = torch.cat([seqs[i][s:e] for i, s, e in zip(rows, starts, ends, strict=True)])
         logits = forward(params, cfg, tokens, meta=meta, cache=cache)
-        expected = torch.cat([dense[i][s:e] for i, s, e in zip(rows, starts, ends)])
+        expected = torch.cat([dense[i][s:e] for i, s, e in zip(rows, starts, ends, strict=True)])
         assert_close(logits, expected, atol=1e-4, msg=f"phase {phase}")
     done = [n - 1 for n in lengths]
     # decode the last token of every sequence in one batch

@@ -5,12 +5,13 @@ import pytest
 import astrai
 from astrai.inference.generate import generate_ids
 from astrai.ops.backend import attn_backend
-from helpers import save_hf, tiny_hf_model
+from helpers import DEVICE, save_hf, tiny_hf_model
 
 
 def test_greedy_generation_triton_equals_torch(tmp_path, monkeypatch):
-    # Triton runs under TRITON_INTERPRET=1 on CPU (set by conftest), so keep it small: 2 layers, 3 prompts
-    model = astrai.load(save_hf(tiny_hf_model("qwen3", head_dim=16, num_hidden_layers=2), tmp_path))
+    # On CPU Triton runs under TRITON_INTERPRET=1 (set by conftest), so keep it small: 2 layers, 3 prompts.
+    # On a GPU the same test runs the compiled kernels.
+    model = astrai.load(save_hf(tiny_hf_model("qwen3", head_dim=16, num_hidden_layers=2), tmp_path), device=DEVICE)
     prompts = [[3, 4, 5, 6, 7], [9] * 11, [100, 101]]
     monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "torch")
     reference = generate_ids(model, prompts, max_tokens=6, stop_token_ids=[])

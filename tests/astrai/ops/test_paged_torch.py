@@ -21,7 +21,7 @@ def _pool(lengths, page_size, kv_heads, dim, seed):
     k_cache = torch.full((len(pages) * page_size + page_size, kv_heads, dim), float("nan"))
     v_cache = k_cache.clone()
     i = 0
-    for b, (n, c) in enumerate(zip(lengths, counts)):
+    for b, (n, c) in enumerate(zip(lengths, counts, strict=True)):
         table[b, :c] = torch.tensor(pages[i : i + c])
         i += c
         pos = torch.arange(n)
