@@ -80,8 +80,11 @@ def kv_store_ref_(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_m
     dst = slot_mapping[src]  # [T], negative only when no row is valid
     dst_safe = dst.clamp(min=0)
     keep = (dst >= 0)[:, None, None]  # [T, 1, 1]
-    k_cache.index_copy_(0, dst_safe, torch.where(keep, k[src], k_cache[dst_safe]))
-    v_cache.index_copy_(0, dst_safe, torch.where(keep, v[src], v_cache[dst_safe]))
+    # index_select rather than advanced indexing: much cheaper per call on CPU, where this is the hot path
+    k_new = torch.where(keep, k.index_select(0, src), k_cache.index_select(0, dst_safe))
+    v_new = torch.where(keep, v.index_select(0, src), v_cache.index_select(0, dst_safe))
+    k_cache.index_copy_(0, dst_safe, k_new)
+    v_cache.index_copy_(0, dst_safe, v_new)
 
 
 def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

@@ -5,8 +5,9 @@ generation stop ids), loaded and saved in the Hugging Face folder layout.
 ``special_tokens_map.json``, ``chat_template.jinja`` (+ ``additional_chat_templates/``), ``generation_config.json``
 and ``config.json``. It applies the same load-time fix-ups transformers 5's ``TokenizersBackend`` does, so that
 ``encode``/``decode`` give the ids and text of ``AutoTokenizer.from_pretrained(path)``:
-named special tokens missing from the added vocabulary are added as special; an explicit ``add_bos_token`` /
-``add_eos_token`` rebuilds the post-processor; truncation and padding stored in ``tokenizer.json`` are ignored.
+named special tokens missing from the added vocabulary are added as special; truncation and padding stored in
+``tokenizer.json`` are ignored, and so are ``add_bos_token`` / ``add_eos_token`` (the post-processor in
+``tokenizer.json`` decides whether BOS/EOS are added).
 
 ``train_tokenizer`` trains a small byte-level BPE locally (tests and the quickstart use it; no downloads).
 
@@ -33,6 +34,7 @@ from astrai.io.chat_template import (
     render_chat_template,
     select_chat_template,
 )
+from astrai.io.errors import CheckpointError
 
 if TYPE_CHECKING:
     from astrai.io.detokenizer import IncrementalDetokenizer
@@ -43,15 +45,15 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ``{}`` when the file is absent. Raises ValueError naming a corrupt file."""
+    """The JSON object in ``path``; ``{}`` when the file is absent. Raises CheckpointError naming a corrupt file."""
     if not path.is_file():
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -72,7 +74,9 @@ def _eos_ids_from_model_files(folder: Path) -> list[int]:
     """Stop ids from ``generation_config.json`` then ``config.json`` (top level, else ``text_config``)."""
     ids = _as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
     model_config = _read_json(folder / "config.json")
-    value = model_config.get("eos_token_id", model_config.get("text_config", {}).get("eos_token_id"))
+    text_config = model_config.get("text_config")  # multimodal checkpoints nest the LM config
+    nested = text_config.get("eos_token_id") if isinstance(text_config, dict) else None
+    value = model_config.get("eos_token_id", nested)
     return ids + _as_id_list(value)
 
 
@@ -109,8 +113,17 @@ class Tokenizer:
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
         self._extra_eos = tuple(eos_token_ids)
-        extra = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
-        self._add_missing_special_tokens([*self._special.values(), *filter(None, extra)])
+        self._add_missing_special_tokens([*self._special.values(), *self._extra_special_tokens()])
+
+    def _extra_special_tokens(self) -> list[str]:
+        # transformers 4 calls them additional_special_tokens (a list); 5 uses extra_special_tokens, a list or a
+        # {name: token} dict of model-specific ones (e.g. "image_token").
+        extra = self.config.get("extra_special_tokens") or []
+        tokens = [
+            *(self.config.get("additional_special_tokens") or []),
+            *(extra.values() if isinstance(extra, dict) else extra),
+        ]
+        return [t for t in map(_token_str, tokens) if t is not None]
 
     def _add_missing_special_tokens(self, tokens: Iterable[str]) -> None:
         # transformers adds every named special token that is not an added token (even if the model vocab has
@@ -126,7 +139,7 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: ``path/tokenizer.json`` does not exist.
-            ValueError: ``tokenizer.json`` or one of the JSON side files is corrupt (the message names it).
+            CheckpointError: (a ValueError) ``tokenizer.json`` or a JSON side file is corrupt (the message names it).
         """
         folder = Path(path)
         tok_file = folder / "tokenizer.json"
@@ -135,7 +148,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ValueError(f"{tok_file} is not a valid tokenizers file: {e}") from e
+            raise CheckpointError(f"{tok_file} is not a valid tokenizers file: {e}") from e
         config = _read_json(folder / "tokenizer_config.json")
         special = {k: _token_str(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
         if backend.padding is not None and special["pad_token"] is None:
@@ -147,24 +160,13 @@ class Tokenizer:
         # transformers ignores stored truncation/padding unless asked for them at call time.
         backend.no_truncation()
         backend.no_padding()
-        tokenizer = cls(
+        return cls(
             backend,
             special_tokens=special,
             chat_template=load_chat_templates(folder, config),
             eos_token_ids=_eos_ids_from_model_files(folder),
             config=config,
         )
-        if "add_bos_token" in config or "add_eos_token" in config:
-            tokenizer._rebuild_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
-        return tokenizer
-
-    def _rebuild_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        # Same template transformers' update_post_processor writes when the config sets add_bos/eos_token.
-        bos, eos = self.bos_token if add_bos else None, self.eos_token if add_eos else None
-        single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-        pair = " ".join([single] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
-        special = [(t, self.backend.token_to_id(t)) for t in (bos, eos) if t]
-        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     # ---- encoding -------------------------------------------------------------------------------------------
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -293,7 +295,9 @@ class Tokenizer:
 
     # ---- saving ---------------------------------------------------------------------------------------------
     def _config_to_save(self) -> dict[str, Any]:
-        config = dict(self.config)
+        # transformers 5 ignores (and never writes) add_bos/eos_token when tokenizer.json exists: the
+        # post-processor stored there decides. Dropping them keeps older loaders from second-guessing it.
+        config = {k: v for k, v in self.config.items() if k not in ("add_bos_token", "add_eos_token")}
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         config.setdefault("clean_up_tokenization_spaces", False)  # decode() never does WordPiece clean-up
         config["added_tokens_decoder"] = {
@@ -323,8 +327,6 @@ class Tokenizer:
         """
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        # A post-processor rebuilt from add_bos/eos_token is saved in tokenizer.json and the flags are kept:
-        # both loaders rebuild the same post-processor from them again.
         self.backend.save(str(out / "tokenizer.json"))
         text = json.dumps(self._config_to_save(), indent=2, ensure_ascii=False) + "\n"
         (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
@@ -334,7 +336,8 @@ class Tokenizer:
                 stale.unlink()
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, chat_template={self.chat_template is not None})"
+        has_template = self.chat_template is not None
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, chat_template={has_template})"
 
 
 def train_tokenizer(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.models.config import ModelConfig, check_config
@@ -25,6 +24,7 @@ from astrai.nn.mlp import MLPParams, init_mlp, mlp
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.nn.rope import rope_cos_sin
 from astrai.ops.attention import AttnMeta, KVCache
+from astrai.ops.linear import linear as linear_op
 from astrai.tree import named_tensors, pytree, to_device
 
 
@@ -194,10 +194,8 @@ def forward(
     if logits_positions is not None:
         x = x.reshape(-1, x.shape[-1])[logits_positions]  # [M, E]
     x = rms_norm(params.norm, x, eps=cfg.rms_norm_eps)
-    logits = F.linear(x, lm_head_weight(params))
-    if params.lm_head is not None and params.lm_head.bias is not None:
-        logits = logits + params.lm_head.bias
-    return logits.float()
+    bias = None if params.lm_head is None else params.lm_head.bias
+    return linear_op(x, lm_head_weight(params), bias).float()
 
 
 def check_params(params: DecoderParams, cfg: ModelConfig) -> None:

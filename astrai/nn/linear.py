@@ -1,16 +1,17 @@
 """Linear projection: `LinearParams` (weight [out, in], optional bias) and `linear()`.
 
-Weights keep the `nn.Linear` / HF layout [out, in] and are applied with `F.linear`, so HF checkpoints load
-without a transpose (zero-copy from mmap) and both CPU and CUDA GEMMs run their tuned transposed-B path.
+Weights keep the `nn.Linear` / HF layout [out, in] and are applied with `F.linear` (via `astrai.ops.linear`),
+so HF checkpoints load without a transpose (zero-copy from mmap) and both CPU and CUDA GEMMs run their tuned
+transposed-B path.
 """
 
 from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.ops.linear import linear as linear_op
 from astrai.tree import pytree
 
 
@@ -40,4 +41,4 @@ def init_linear(
 
 def linear(p: LinearParams, x: Tensor) -> Tensor:
     """x: [..., in] -> [..., out]."""
-    return F.linear(x, p.weight, p.bias)
+    return linear_op(x, p.weight, p.bias)

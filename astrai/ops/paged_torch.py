@@ -19,7 +19,9 @@ def _gather_pages(cache: Tensor, block_table: Tensor, seq_lens: Tensor, page_siz
     # stale or non-finite values in pages it does not own can never leak through a 0-weight (0 * NaN = NaN)
     num_pages = cache.shape[0] // page_size
     pages = block_table.long().clamp(0, num_pages - 1)
-    out = cache.view(num_pages, page_size, *cache.shape[1:])[pages].flatten(1, 2)
+    # index_select, not advanced indexing: the latter is orders of magnitude slower for this gather on CPU
+    paged = cache.view(num_pages, page_size, *cache.shape[1:])  # [P_all, N, K, D]
+    out = paged.index_select(0, pages.flatten()).view(*pages.shape, *paged.shape[1:]).flatten(1, 2)
     owned = torch.arange(out.shape[1], device=cache.device)[None, :] < seq_lens.long()[:, None]  # [B, P*N]
     return out.masked_fill(~owned[:, :, None, None], 0)
 
