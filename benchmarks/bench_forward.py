@@ -28,47 +28,11 @@ from rich.table import Table
 import astrai
 from astrai.inference.cache import init_kv_cache, make_attn_meta, pages_needed
 from astrai.inference.step import compile_step, decode_step, prefill_step
+from astrai.io.hf import config_to_hf
+from configs.models import NAMED
 
-CONFIGS = {
-    "smollm2-135m": dict(
-        family="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        tie_word_embeddings=True,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-    ),
-    "qwen2.5-0.5b": dict(
-        family="qwen2",
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rope_theta=1000000.0,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-    ),
-    "tiny": dict(
-        family="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    ),
-}
+# SmolLM2-135M- and Qwen2.5-0.5B-shaped models (configs/models.py); `tiny` for --smoke.
+CONFIGS = ("smollm2-135m", "qwen2.5-0.5b", "tiny")
 console = Console()
 
 
@@ -87,17 +51,13 @@ def _timed(fn) -> float:
 
 
 def build(name: str, dtype: torch.dtype, folder: Path):
-    """A random transformers model of config `name` and the same weights loaded by astrai."""
+    """A random transformers model of the named config and the same weights loaded by astrai."""
     import transformers
 
-    spec = dict(CONFIGS[name])
-    family = spec.pop("family")
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[family]
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
-    config = cfg_cls(**spec)
+    config = transformers.AutoConfig.for_model(**config_to_hf(NAMED[name]()))
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    hf = cls(config).eval().to(dtype)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
     hf.save_pretrained(folder)
     return hf, astrai.load(folder, dtype=dtype)
 
@@ -245,7 +205,7 @@ def print_table(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"], choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"], choices=CONFIGS)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)

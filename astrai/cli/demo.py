@@ -19,8 +19,8 @@ from astrai.cli._common import console
 from astrai.io.model import Model, load, save
 from astrai.io.templates import chatml_template
 from astrai.io.tokenizer import train_tokenizer
-from astrai.models.config import ModelConfig
 from astrai.models.decoder import forward, init_params
+from configs.models import tiny
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -44,19 +44,7 @@ def main(cfg: DemoConfig) -> None:
     """Run the demo."""
     console.rule("[bold]astrai demo (random weights; training arrives with the quickstart)")
     tokenizer = train_tokenizer(CORPUS, vocab_size=400, chat_template=chatml_template())
-    config = ModelConfig(
-        model_type="qwen3",
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        qk_norm=True,
-        max_position_embeddings=512,
-        eos_token_id=(tokenizer.eos_token_id,),
-    )
+    config = attrs.evolve(tiny(tokenizer.vocab_size), eos_token_id=(tokenizer.eos_token_id,))
     model = Model(
         config=config,
         params=init_params(config, seed=cfg.seed),
@@ -72,7 +60,8 @@ def main(cfg: DemoConfig) -> None:
     info.main(info.InfoConfig(model=path))
     console.print("[bold]astrai generate[/] (greedy, 24 tokens):")
     generate.main(generate.GenerateConfig(model=path, prompt="The quick brown fox", max_tokens=24))
-    console.print(f"\nnext: [bold]astrai chat --model {path}[/]  or  [bold]astrai info --model {path}[/]")
+    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    console.print(f"\nnext: [bold].venv/bin/astrai chat --model {shown}[/]  (or `astrai ...` in an activated venv)")
 
 
 if __name__ == "__main__":

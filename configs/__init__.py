@@ -1,0 +1,1 @@
+"""Named configs as typed Python functions (no YAML): model shapes in `models.py`."""
