@@ -12,7 +12,8 @@ import attrs
 import tyro
 
 from astrai.cli._common import console, fail, load_model, run_guarded
-from astrai.cli.generate import stream_text
+from astrai.cli.generate import make_engine, stream_text
+from astrai.inference.params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)
@@ -35,6 +36,8 @@ class ChatConfig:
     """Parameter dtype; default: the checkpoint's."""
     device: str | None = None
     """Device, e.g. cuda or cpu; default cpu."""
+    compile: bool = False
+    """torch.compile the decode step (faster replies after a one-off compile)."""
 
 
 def main(cfg: ChatConfig) -> None:
@@ -43,25 +46,23 @@ def main(cfg: ChatConfig) -> None:
     if model.tokenizer is None or model.tokenizer.chat_template is None:
         fail(f"{cfg.model} has no tokenizer chat template; use `astrai generate` for plain completion")
     history: list[dict] = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     console.print("[dim]astrai chat: /reset clears the history, /exit quits[/]")
-    while True:
-        console.print("[bold green]you>[/] ", end="")
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
-            return
-        text = line.rstrip("\n")
-        if text.strip() == "/reset":
-            history = history[:1] if cfg.system else []
-            continue
-        history.append({"role": "user", "content": text})
-        ids = run_guarded(lambda h=history: model.tokenizer.apply_chat_template(h, tokenize=True))
-        console.print("[bold blue]model>[/] ", end="")
-        reply = run_guarded(
-            lambda ids=ids: stream_text(
-                model, ids, max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed
-            )
-        )
-        history.append({"role": "assistant", "content": reply})
+    with make_engine(model, cfg.compile) as engine:
+        while True:
+            console.print("[bold green]you>[/] ", end="")
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                return
+            text = line.rstrip("\n")
+            if text.strip() == "/reset":
+                history = history[:1] if cfg.system else []
+                continue
+            history.append({"role": "user", "content": text})
+            ids = run_guarded(lambda h=history: model.tokenizer.apply_chat_template(h, tokenize=True))
+            console.print("[bold blue]model>[/] ", end="")
+            reply = run_guarded(lambda ids=ids: stream_text(engine, ids, params))
+            history.append({"role": "assistant", "content": reply})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,397 @@
+"""`Engine`: continuous-batching generation on a background thread (host Python, never compiled).
+
+Requests are submitted from any thread (or event loop) and come back as `RequestHandle`s that yield stream
+`Delta`s and a final `Completion`. The engine thread loops: take new requests and aborts, `Scheduler.schedule`,
+`ModelRunner.execute`, `Scheduler.update`, then detokenize and deliver. See docs/inference.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import attrs
+import torch
+
+from astrai.inference.cache import kv_bytes_per_token
+from astrai.inference.output import SequenceOutput
+from astrai.inference.params import SamplingParams
+from astrai.inference.pool import PagePool
+from astrai.inference.radix import RadixCache
+from astrai.inference.request import Completion, CompletionOutput, Delta, Request, split_n
+from astrai.inference.runner import ModelRunner
+from astrai.inference.scheduler import Scheduler
+from astrai.io.model import Model
+
+
+class EngineBusyError(RuntimeError):
+    """The waiting queue is full; retry later (servers answer 429 / 529)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error; the message carries it."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Engine settings."""
+
+    page_size: int = 16
+    """Tokens per KV page (1 is supported)."""
+    kv_budget_tokens: int | None = None
+    """KV pool size in tokens; None sizes it from kv_memory_fraction (CUDA) or kv_budget_bytes (CPU)."""
+    kv_memory_fraction: float = 0.85
+    """CUDA: share of the free device memory (after loading the weights) given to the KV pool."""
+    kv_budget_bytes: int = 1 << 30
+    """CPU: bytes of KV pool when kv_budget_tokens is None."""
+    max_running: int = 64
+    """Most sequences decoding at once."""
+    max_step_tokens: int = 2048
+    """Token budget of one step (decodes + prefill chunks); smaller means finer chunked prefill."""
+    max_waiting: int = 1024
+    """Most queued requests; more raise EngineBusyError."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; default the model's max_position_embeddings."""
+    prefix_cache: bool = True
+    """Share K/V of common prefixes through the radix cache."""
+    compile: bool = True
+    """torch.compile the decode step and the sampler (CUDA graphs on CUDA)."""
+    seed: int | None = None
+    """Seed for the seeds of requests that give none (None: random)."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """A snapshot of the engine."""
+
+    running: int
+    waiting: int
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_cached: int
+    kv_pages_free: int
+    prefix_hit_rate: float
+    prompt_tokens: int
+    generated_tokens: int
+    generation_tokens_per_s: float
+    preemptions: int
+    steps: int
+
+
+class RequestHandle:
+    """A submitted request: iterate it for `Delta`s, or call `result()` for the `Completion`."""
+
+    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id, self._engine, self._loop = request_id, engine, loop
+        self._sync: queue.SimpleQueue = queue.SimpleQueue()
+        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self.completion: Completion | None = None
+
+    def _put(self, item: Delta | Completion | BaseException) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
+        else:
+            self._sync.put(item)
+
+    def __iter__(self) -> Iterator[Delta]:
+        while self.completion is None:
+            item = self._sync.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Completion):
+                self.completion = item
+                return
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._async is None:
+            raise RuntimeError("submit with loop=asyncio.get_running_loop() to iterate asynchronously")
+        while self.completion is None:
+            item = await self._async.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Completion):
+                self.completion = item
+                return
+            yield item
+
+    def result(self) -> Completion:
+        """Block until the request finishes; returns its Completion (again on later calls)."""
+        for _ in self:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+    def abort(self) -> None:
+        """Stop generating (frees the request's KV); the stream ends with finish_reason "abort"."""
+        self._engine.abort(self.request_id)
+
+
+@attrs.define(eq=False)
+class _Tracked:
+    handle: RequestHandle
+    seqs: list[Request]
+    outputs: list[SequenceOutput]
+    submitted: float
+
+
+class Engine:
+    """Continuous-batching inference over a paged KV pool with a radix prefix cache."""
+
+    def __init__(self, model: Model, config: EngineConfig | None = None) -> None:
+        self.model, self.config = model, config or EngineConfig()
+        cfg = self.config
+        self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        num_pages = self._num_pages()
+        self.pool = PagePool(num_pages, cfg.page_size)
+        self.radix = RadixCache(self.pool) if cfg.prefix_cache else None
+        self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
+                                   max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len)  # fmt: skip
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile,
+                                  max_running=cfg.max_running)  # fmt: skip
+        self._rng = random.Random(cfg.seed)
+        self._arrival = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}
+        self._inbox: list[_Tracked] = []
+        self._aborts: list[str] = []
+        self._cv = threading.Condition()
+        self._stop, self._error = False, None
+        self._generated, self._rate = 0, 0.0
+        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
+        self._thread.start()
+
+    def _num_pages(self) -> int:
+        cfg, per_token = self.config, kv_bytes_per_token(self.model.config, self.model.dtype)
+        tokens = cfg.kv_budget_tokens
+        if tokens is None:
+            if self.model.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.model.device)
+                tokens = int(free * cfg.kv_memory_fraction) // per_token
+            else:
+                tokens = min(cfg.kv_budget_bytes // per_token, cfg.max_running * self.max_model_len)
+        return max(2, tokens // cfg.page_size + 1)  # + the null page
+
+    # ---- submission -------------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        """Queue a request (text is encoded with the tokenizer, special tokens added).
+
+        Raises:
+            ValueError: bad prompt or params, or prompt + max_tokens beyond the context (both numbers given).
+            EngineBusyError: the waiting queue is full.
+            EngineDeadError: the engine stopped after an error.
+        """
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        self._validate(ids, params)
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                       else frozenset(self.model.eos_token_ids))  # fmt: skip
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seqs = split_n(ids, params, request_id, seed, next(self._arrival), stop_ids)
+        tok = self.model.tokenizer
+        tracked = _Tracked(RequestHandle(request_id, self, loop), seqs, [SequenceOutput(s, tok) for s in seqs],
+                           time.perf_counter())  # fmt: skip
+        with self._cv:
+            if self._error is not None:
+                raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+            if request_id in self._tracked:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting:
+                raise EngineBusyError(f"{self.config.max_waiting} requests are already waiting")
+            self._tracked[request_id] = tracked
+            self._inbox.append(tracked)
+            self._cv.notify()
+        return tracked.handle
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.model.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return self.model.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        params.check(vocab)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} tokens, more than "
+                f"the model's context of {self.max_model_len} tokens"
+            )
+        pages = -(-total // self.config.page_size)
+        if pages > self.pool.num_pages - 1:
+            raise ValueError(f"the request needs {pages} KV pages but the pool has {self.pool.num_pages - 1}; "
+                             "raise kv_budget_tokens")  # fmt: skip
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op if it already finished)."""
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    # ---- convenience ---------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip
+        """Submit a batch and wait for all of it; completions in prompt order."""
+        plist = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        handles = [self.submit(p, q) for p, q in zip(prompts, plist, strict=True)]
+        return [h.result() for h in handles]
+
+    def run_batch(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """Generate for token-id prompts (RL rollouts): completions carry token ids and, if asked, logprobs."""
+        return self.generate(list(prompt_ids), params)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Submit one request and iterate its deltas (blocking)."""
+        handle = self.submit(prompt, params)
+        try:
+            yield from handle
+        finally:
+            if handle.completion is None:
+                handle.abort()
+
+    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        """Submit one request from an event loop and iterate its deltas; cancelling aborts the request."""
+        handle = self.submit(prompt, params, loop=asyncio.get_running_loop())
+        try:
+            async for delta in handle:
+                yield delta
+        finally:
+            if handle.completion is None:
+                handle.abort()
+
+    def stats(self) -> EngineStats:
+        """Counters and KV usage (read without stopping the engine; may be one step stale)."""
+        cached = self.radix.num_cached_pages if self.radix is not None else 0
+        s = self.scheduler.stats
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
+            kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.num_used - cached,
+            kv_pages_cached=cached, kv_pages_free=self.pool.num_free,
+            prefix_hit_rate=self.radix.hit_rate if self.radix is not None else 0.0,
+            prompt_tokens=s.prefill_tokens, generated_tokens=s.decode_tokens, generation_tokens_per_s=self._rate,
+            preemptions=s.preemptions, steps=s.steps,
+        )  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; unfinished requests end with finish_reason "abort"."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- the engine thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._step():
+                pass
+        except Exception as err:  # a bug or a device error: fail every request loudly instead of hanging them
+            with self._cv:
+                self._error = f"{type(err).__name__}: {err}"
+                failed = list(self._tracked.values())
+                self._tracked.clear()
+            for tracked in failed:
+                tracked.handle._put(EngineDeadError(f"the engine stopped after an error: {self._error}"))
+            raise
+        for request_id in list(self._tracked):  # shutdown: end what is left
+            self._abort_now(request_id)
+
+    def _step(self) -> bool:
+        with self._cv:
+            while not (self._inbox or self._aborts or self._stop or self.scheduler.has_work()):
+                self._cv.wait()
+            if self._stop:
+                return False
+            inbox, aborts = self._inbox, self._aborts
+            self._inbox, self._aborts = [], []
+        for tracked in inbox:
+            self.scheduler.add(tracked.seqs)
+        for request_id in aborts:
+            self._abort_now(request_id)
+        plan = self.scheduler.schedule()
+        if not plan:
+            return True
+        start = time.perf_counter()
+        sampled = self.runner.execute(plan, vocab_size=self.model.config.vocab_size)
+        self.scheduler.update(plan, sampled)
+        self._rate = 0.9 * self._rate + 0.1 * len(sampled) / max(time.perf_counter() - start, 1e-9)
+        self._deliver({item.seq.id for item in plan})
+        return True
+
+    def _deliver(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            for seq, out in zip(tracked.seqs, tracked.outputs, strict=True):
+                if out.done:
+                    continue
+                delta = out.advance(seq.finish_reason)
+                if out.stopped:  # a stop string ends the sequence, whatever else ended it in this step
+                    if not seq.finished:
+                        self.scheduler.finish(seq, "stop")
+                    seq.finish_reason = "stop"
+                if delta.token_ids or delta.text or delta.finish_reason:
+                    tracked.handle._put(delta)
+            if all(s.finished for s in tracked.seqs):
+                self._complete(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        self.scheduler.abort(request_id)
+        for seq, out in zip(tracked.seqs, tracked.outputs, strict=True):
+            if not out.done:
+                seq.finish_reason = "abort"
+                out.done = True
+                tracked.handle._put(Delta(index=seq.index, text="", token_ids=(), finish_reason="abort"))
+        self._complete(request_id)
+
+    def _complete(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id)
+        outputs = tuple(
+            CompletionOutput(
+                index=seq.index,
+                text=out.text,
+                token_ids=tuple(seq.outputs),
+                finish_reason=seq.finish_reason,
+                logprobs=tuple(seq.logprobs) if (seq.params.logprobs or seq.params.top_logprobs) else None,
+                top_logprobs=tuple(tuple(t) for t in seq.top_logprobs) if seq.params.top_logprobs else None,
+            )  # fmt: skip
+            for seq, out in zip(tracked.seqs, tracked.outputs, strict=True)
+        )
+        lead = tracked.seqs[0]
+        tracked.handle._put(
+            Completion(
+                request_id=request_id,
+                prompt_tokens=len(lead.prompt),
+                cached_tokens=max(lead.num_cached, 0),
+                outputs=outputs,
+            )  # fmt: skip
+        )

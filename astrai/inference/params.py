@@ -1,0 +1,150 @@
+"""`SamplingParams`: the per-request, user-facing generation settings, validated on the host.
+
+The field names and ranges follow the OpenAI API and vLLM's `SamplingParams`, so the server can map request
+fields one to one. Device-side per-row tensors are built from these by `sampler.make_sampling_batch`; stop
+strings are matched by `stop.StopStringMatcher`.
+
+Deliberately fixed relative to the upstream AstrAI sampler (features §11b.11):
+- greedy is `temperature == 0` of *this* request, never inferred from the batch;
+- `top_k` 0 or -1 disables top-k (upstream's API could not disable it);
+- penalties run before temperature and the top-k/top-p/min-p filters, never after them.
+
+Not here: `best_of`, beam search, guided decoding, `allowed_token_ids`, bad words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0
+
+
+def _str_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
+    # OpenAI accepts `stop` as one string or a list; a bare str must not become a tuple of its characters
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _bias_tuple(value: Mapping[Any, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    # OpenAI sends logit_bias as a {"token id": bias} mapping with string keys
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        return tuple((int(k), float(v)) for k, v in items)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}") from e
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Generation settings of one request (immutable; call `check` before use).
+
+    Penalty and filter order, and what `logprobs` report, are documented in `astrai.inference.sampler`.
+    `stop` accepts a single string and `logit_bias` a `{token id: bias}` mapping; both are stored as tuples.
+    """
+
+    max_tokens: int = 16  # tokens to generate at most (>= 1)
+    temperature: float = 1.0  # >= 0; 0 = greedy for this request
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # [0, 1]: keep tokens with p >= min_p * p_max (after temperature)
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= f * count over generated tokens
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= p * (count > 0) over generated tokens
+    repetition_penalty: float = 1.0  # > 0, HF over prompt + generated: positive logits / r, negative * r
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_tuple)  # (id, [-100, 100])
+    seed: int | None = None  # reproducible sampling for this request (None: the engine picks one)
+    n: int = 1  # completions sharing the prompt (1..16)
+    logprobs: bool = False  # return the chosen token's logprob
+    top_logprobs: int = 0  # 0..20 most likely alternatives per position (implies logprobs)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)  # stop strings (<= 16, non-empty)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # extra ids that end generation
+    ignore_eos: bool = False  # keep generating past the model's eos ids
+    min_tokens: int = 0  # eos / stop ids are masked until this many tokens were generated (<= max_tokens)
+    skip_special_tokens: bool = True  # drop special tokens from the decoded text
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the chosen token's logprob must be computed (`top_logprobs > 0` implies it)."""
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the request takes the argmax of its penalised logits."""
+        return self.temperature == 0
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Validate every field; token ids are checked against `vocab_size` when given.
+
+        Raises:
+            ValueError: naming the first offending field and its value.
+        """
+        _int_in("max_tokens", self.max_tokens, 1, None)
+        _float_in("temperature", self.temperature, 0.0, None)
+        if not (0.0 < _finite("top_p", self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1:
+            _int_in("top_k", self.top_k, 0, None, hint=" (0 or -1 disables it)")
+        _float_in("min_p", self.min_p, 0.0, 1.0)
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if not _finite("repetition_penalty", self.repetition_penalty) > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        self._check_logit_bias(vocab_size)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        _int_in("n", self.n, 1, MAX_N)
+        _int_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if vocab_size is not None and self.top_logprobs > vocab_size:
+            raise ValueError(f"top_logprobs must be <= vocab_size {vocab_size}, got {self.top_logprobs!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r} in stop={self.stop!r}")
+        for i in self.stop_token_ids:
+            _token_id("stop_token_ids", i, vocab_size)
+        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, hint=" (at most max_tokens)")
+
+    def _check_logit_bias(self, vocab_size: int | None) -> None:
+        seen: set[int] = set()
+        for token, bias in self.logit_bias:
+            _token_id("logit_bias", token, vocab_size)
+            if token in seen:
+                raise ValueError(f"logit_bias lists token {token} twice")
+            seen.add(token)
+            if not (-MAX_LOGIT_BIAS <= _finite("logit_bias", bias) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+
+
+def _finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _float_in(name: str, value: Any, lo: float | None, hi: float | None) -> None:
+    v = _finite(name, value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int | None, *, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {bounds}{hint}, got {value!r}")
+
+
+def _token_id(name: str, token: Any, vocab_size: int | None) -> None:
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise ValueError(f"{name} token ids must be ints >= 0, got {token!r}")
+    if vocab_size is not None and token >= vocab_size:
+        raise ValueError(f"{name} token id {token} is out of range for vocab_size {vocab_size}")

@@ -1,0 +1,149 @@
+"""Per-request host state of the engine, and the records it hands back (completions and stream deltas).
+
+A request's progress is one number, `num_computed`: how many of its tokens (prompt, then generated) already
+have K/V in the pool (vLLM V1's model). Each step feeds `all_tokens[num_computed : num_computed + n]`; when that
+reaches the end, the step's logits sample the next token. Chunked prefill, prefix-cache hits (num_computed
+starts at the hit length) and recompute after preemption (num_computed back to 0 with the generated tokens
+kept) are all the same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from astrai.inference.params import SamplingParams
+
+
+class Status(enum.Enum):
+    """Lifecycle of a request inside the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Request:
+    """One sequence being generated (a request with n > 1 is n of these, one per completion index).
+
+    Attributes:
+        id: the request id (shared by the n completions of one request).
+        index: completion index within the request (0..n-1).
+        prompt: prompt token ids.
+        params: sampling settings.
+        seed: seed of this sequence's sampling noise.
+        arrival: global admission order (FIFO and preemption order).
+        stop_ids: token ids that end this sequence (eos unless ignore_eos, plus params.stop_token_ids).
+        outputs: generated token ids (stop tokens included).
+        logprobs: chosen-token logprobs, when requested.
+        top_logprobs: per position, (token id, logprob) alternatives, when requested.
+        pages: KV pool pages in logical order.
+        num_computed: tokens whose K/V are in the pool.
+        num_cached: prompt tokens served by the prefix cache at the first admission.
+        status: waiting / running / finished.
+        finish_reason: "stop", "length" or "abort" once finished.
+        leader: for n > 1, the sequence whose prefill the others wait for (so they hit its cached prompt).
+    """
+
+    id: str
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    stop_ids: frozenset[int] = frozenset()
+    outputs: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    top_logprobs: list[list[tuple[int, float]]] = attrs.Factory(list)
+    pages: list[int] = attrs.Factory(list)
+    num_computed: int = 0
+    num_cached: int = -1
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    leader: Request | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_tokens(self) -> list[int]:
+        """Prompt followed by the generated tokens."""
+        return self.prompt + self.outputs
+
+    @property
+    def num_tokens(self) -> int:
+        """len(prompt) + len(outputs)."""
+        return len(self.prompt) + len(self.outputs)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request has left the scheduler."""
+        return self.status is Status.FINISHED
+
+    def check_stop(self) -> str | None:
+        """The finish reason after the newest token, from token ids and length ("stop" / "length"), or None."""
+        if self.outputs and len(self.outputs) > self.params.min_tokens and self.outputs[-1] in self.stop_ids:
+            return "stop"
+        if len(self.outputs) >= self.params.max_tokens:
+            return "length"
+        return None
+
+
+@attrs.frozen(kw_only=True)
+class CompletionOutput:
+    """One finished completion of a request."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Completion:
+    """A finished request: its n completions and token usage."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    outputs: tuple[CompletionOutput, ...]
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens over all completions."""
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+@attrs.frozen(kw_only=True)
+class Delta:
+    """An increment of a streamed completion: new text and tokens; `finish_reason` set on the last one."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    finish_reason: str | None = None
+
+
+def split_n(prompt: Sequence[int], params: SamplingParams, request_id: str, seed: int, arrival: int,
+            stop_ids: frozenset[int]) -> list[Request]:  # fmt: skip
+    """The n sequences of one request; sequences 1..n-1 follow sequence 0's prefill to share its prompt KV."""
+    seqs = [
+        Request(
+            id=request_id,
+            index=i,
+            prompt=list(prompt),
+            params=params,
+            seed=seed + i,
+            arrival=arrival,
+            stop_ids=stop_ids,
+        )  # fmt: skip
+        for i in range(params.n)
+    ]
+    for follower in seqs[1:]:
+        follower.leader = seqs[0]
+    return seqs

@@ -1,0 +1,146 @@
+"""The device side of the engine: turns a scheduled step into one forward + one sampling call.
+
+A step whose sequences all feed exactly one token and all sample is a *decode* step: it runs `decode_step`
+(compiled; on CUDA with CUDA graphs over batch buckets, padded with rows that write to the null page and attend
+to nothing). Any other step (prefill chunks, prefix-hit extends, mixed with decodes) runs `prefill_step` over
+the flattened tokens with `logits_positions` = the rows that sample. Sampling is a separate (compiled) call on
+the sampled rows only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from astrai.inference.cache import NULL_PAGE, init_kv_cache
+from astrai.inference.request import Request
+from astrai.inference.sampler import SampleOutput, make_sampling_batch, sample
+from astrai.inference.scheduler import ScheduledSeq
+from astrai.inference.step import compile_step, decode_step, prefill_step
+from astrai.io.model import Model
+from astrai.ops.attention import AttnMeta
+from astrai.tree import leaves
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket(n: int, limit: int) -> int:
+    """Smallest decode bucket >= n (batch sizes are padded up to it so CUDA graphs are reused)."""
+    return next((b for b in DECODE_BUCKETS if b >= n), max(n, limit))
+
+
+class ModelRunner:
+    """Owns the KV pool tensors and the compiled steps; executes scheduled steps."""
+
+    def __init__(self, model: Model, *, num_pages: int, page_size: int, compile: bool, max_running: int) -> None:
+        self.model, self.cfg = model, model.config
+        self.device, self.page_size, self.max_running = model.device, page_size, max_running
+        self.cache = init_kv_cache(self.cfg, num_pages, page_size, dtype=model.dtype, device=self.device)
+        self.cuda = self.device.type == "cuda"
+        self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg)
+        self.eager_decode = functools.partial(decode_step, cfg=self.cfg)
+        self.compiled_decode: Callable | None = None
+        if compile and self.cuda:
+            # CUDA graphs copy every non-static input into their own buffers on each replay: mark the weights and
+            # the pool static so only the small metadata tensors are copied (gpt-fast does the same for its cache)
+            for tensor in [*leaves(model.params), *self.cache.k, *self.cache.v]:
+                torch._dynamo.mark_static_address(tensor)
+        if compile:
+            # CUDA: CUDA graphs over padded batch buckets (static shapes); CPU: automatic dynamic shapes (the batch
+            # and table-width dims turn symbolic after their first change, so a handful of graphs cover all sizes)
+            mode = "reduce-overhead" if self.cuda else None
+            self.compiled_decode = compile_step(
+                decode_step, cfg=self.cfg, mode=mode, dynamic=False if self.cuda else None
+            )
+        self._sampler = torch.compile(sample, dynamic=True) if compile else sample
+
+    # ---- metadata ---------------------------------------------------------------------------------------
+    def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
+        """Tokens and metadata for `plan`, padded to `rows` requests and a `width`-page block table."""
+        page = self.page_size
+        table = torch.full((rows, width), NULL_PAGE, dtype=torch.int32)
+        tokens, positions, slots, seq_lens, cu = [], [], [], [], [0]
+        for r, item in enumerate(plan):
+            seq = item.seq
+            table[r, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            new = seq.all_tokens[item.start : item.start + item.num_new]
+            pos = range(item.start, item.start + item.num_new)
+            tokens += new
+            positions += pos
+            slots += [seq.pages[p // page] * page + p % page for p in pos]
+            seq_lens.append(item.start + item.num_new)
+            cu.append(cu[-1] + item.num_new)
+        pad = rows - len(plan)  # padding rows: one token each at position 0, writing to the null page
+        tokens += [0] * pad
+        positions += [0] * pad
+        slots += [-1] * pad
+        seq_lens += [0] * pad
+        cu += [cu[-1] + i + 1 for i in range(pad)]
+        dev = self.device
+        meta = AttnMeta(
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_table=table.to(dev, non_blocking=True),
+            page_size=page,
+            decode=decode,
+        )
+        return torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True), meta
+
+    def _width(self, plan: Sequence[ScheduledSeq]) -> int:
+        # CUDA graphs want one table width (the kernels' cost follows seq_lens, not the width); the CPU path
+        # gathers the whole width, so it gets the smallest power of two that fits
+        need = max(len(item.seq.pages) for item in plan)
+        if self.cuda:
+            return max(need, -(-self.cfg.max_position_embeddings // self.page_size))
+        return 1 << max(0, need - 1).bit_length()
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(
+        self, plan: Sequence[ScheduledSeq], *, vocab_size: int
+    ) -> dict[int, tuple[int, float | None, list | None]]:
+        """Run the step; returns, for each plan index that samples, (token, logprob or None, top or None)."""
+        if not plan:
+            return {}
+        sampling = [i for i, item in enumerate(plan) if item.sample]
+        decode = all(item.num_new == 1 for item in plan) and len(sampling) == len(plan)
+        if decode:
+            rows = bucket(len(plan), self.max_running) if (self.cuda and self.compiled_decode) else len(plan)
+            tokens, meta = self._meta(plan, decode=True, rows=rows, width=self._width(plan))
+            step = self.compiled_decode or self.eager_decode
+            logits = step(self.model.params, tokens, meta, self.cache)[: len(plan)]
+        else:
+            tokens, meta = self._meta(plan, decode=False, rows=len(plan), width=self._width(plan))
+            last = meta.cu_seqlens_q[1:].long() - 1  # [B] each sequence's last fed token
+            rows = last[torch.tensor(sampling, device=last.device, dtype=torch.long)]
+            logits = self.eager_prefill(self.model.params, tokens, meta, self.cache, rows)
+        if not sampling:
+            return {}
+        return self._sample(logits, [plan[i].seq for i in sampling], sampling, vocab_size)
+
+    def _sample(self, logits: Tensor, seqs: list[Request], index: list[int], vocab_size: int) -> dict:
+        top = max(s.params.top_logprobs for s in seqs)
+        want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
+        batch = make_sampling_batch(
+            [s.params for s in seqs], seeds=[s.seed for s in seqs], steps=[len(s.outputs) for s in seqs],
+            vocab_size=vocab_size, device=self.device, prompts=[s.prompt for s in seqs],
+            outputs=[s.outputs for s in seqs], stop_ids=[sorted(s.stop_ids) for s in seqs],
+        )  # fmt: skip
+        out: SampleOutput = self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)
+        tokens = out.tokens.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(seqs)
+        tops = None
+        if out.top_ids is not None:
+            tops = [list(zip(i, lp, strict=True)) for i, lp in zip(out.top_ids.tolist(), out.top_logprobs.tolist(),
+                                                                   strict=True)]  # fmt: skip
+        result = {}
+        for j, (i, seq) in enumerate(zip(index, seqs, strict=True)):
+            logprob = lps[j] if (seq.params.logprobs or seq.params.top_logprobs) else None
+            alternatives = tops[j][: seq.params.top_logprobs] if (tops and seq.params.top_logprobs) else None
+            result[i] = (tokens[j], logprob, alternatives)
+        return result

@@ -1,0 +1,214 @@
+"""Continuous-batching scheduler with a per-step token budget (vLLM V1 style). Host Python, no tensors.
+
+Each `schedule()` call builds one step:
+1. every running sequence gets its next tokens (1 for decode, a chunk for an unfinished prefill), oldest first,
+   as long as the step's token budget lasts; a sequence whose next tokens need a page the pool can't give
+   preempts the newest running sequence (recompute: its pages are released, its generated tokens kept, it goes
+   back to the front of the queue) — never a crash;
+2. waiting sequences are admitted strictly FIFO while budget, free KV and the running cap allow: the prefix
+   cache supplies the longest cached full-page prefix, the rest is prefilled in chunks.
+`update()` then advances every scheduled sequence, appends sampled tokens and finishes sequences.
+
+Pages are cached in the radix as soon as their K/V are fully computed (at prefill completion, on preemption
+and at finish), so concurrent requests with a shared prefix and the n > 1 siblings of a request reuse them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from astrai.inference.pool import PagePool
+from astrai.inference.radix import RadixCache
+from astrai.inference.request import Request, Status
+
+
+@attrs.frozen
+class ScheduledSeq:
+    """One sequence's share of a step: feed `all_tokens[start : start + num_new]`; sample if `sample`."""
+
+    seq: Request
+    start: int
+    num_new: int
+    sample: bool
+
+
+@attrs.define
+class SchedulerStats:
+    """Counters since start."""
+
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run; owns the page bookkeeping."""
+
+    def __init__(self, pool: PagePool, radix: RadixCache | None, *, max_running: int, max_step_tokens: int,
+                 max_model_len: int) -> None:  # fmt: skip
+        if max_step_tokens < max_running:
+            raise ValueError(f"max_step_tokens ({max_step_tokens}) must be >= max_running ({max_running})")
+        self.pool, self.radix = pool, radix
+        self.page_size = pool.page_size
+        self.max_running, self.max_step_tokens, self.max_model_len = max_running, max_step_tokens, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # ---- queue management ----------------------------------------------------------------------------
+    def add(self, seqs: list[Request]) -> None:
+        """Queue the sequences of one request (already validated by the engine)."""
+        self.waiting.extend(seqs)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Remove every sequence of `request_id`, release its pages; returns the removed sequences."""
+        removed = [s for s in (*self.waiting, *self.running) if s.id == request_id]
+        for seq in removed:
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self._release(seq, cache=False)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return removed
+
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ---- pages -----------------------------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _grow(self, seq: Request, num_tokens: int) -> bool:
+        """Give `seq` pages for its first `num_tokens` tokens; False (nothing changed) if the pool is short."""
+        missing = self._pages_for(num_tokens) - len(seq.pages)
+        if missing <= 0:
+            return True
+        pages = self.pool.alloc(missing)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _cache(self, seq: Request) -> None:
+        """Record the fully computed pages of `seq` in the prefix cache."""
+        if self.radix is not None and seq.num_computed >= self.page_size:
+            self.radix.insert(seq.all_tokens[: seq.num_computed], seq.pages)
+
+    def _release(self, seq: Request, *, cache: bool) -> None:
+        if cache:
+            self._cache(seq)
+        self.pool.decref(seq.pages)
+        seq.pages = []
+
+    def _preempt(self, victim: Request) -> None:
+        """Recompute preemption: keep the generated tokens, drop the K/V (cached pages may survive in the radix)."""
+        self.running.remove(victim)
+        self._release(victim, cache=True)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.stats.preemptions += 1
+        # back to the queue in arrival order, ahead of everything that arrived later
+        at = next((i for i, s in enumerate(self.waiting) if s.arrival > victim.arrival), len(self.waiting))
+        self.waiting.insert(at, victim)
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        """Plan the next step (may preempt); an empty list when nothing can run."""
+        budget, plan = self.max_step_tokens, []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = max((s for s in self.running if s is not seq), key=lambda s: s.arrival, default=None)
+                if victim is None:  # alone and still short: impossible after admission checks, but never hang
+                    raise RuntimeError(f"request {seq.id} needs more KV pages than the pool holds")
+                plan = [p for p in plan if p.seq is not victim]
+                budget += sum(p.num_new for p in plan if p.seq is victim)
+                self._preempt(victim)
+            plan.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        plan += self._admit(budget)
+        self.stats.steps += bool(plan)
+        return plan
+
+    def _admit(self, budget: int) -> list[ScheduledSeq]:
+        plan = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if seq.leader is not None and not self._leader_ready(seq.leader):
+                break  # strict FIFO: its prompt KV will be shareable once the leader's prefill is done
+            hit_pages = self._match(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                self.pool.decref(seq.pages)
+                seq.pages, seq.num_computed = [], 0
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            if seq.num_cached < 0:
+                seq.num_cached = hit_pages * self.page_size
+            self.running.append(seq)
+            plan.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        return plan
+
+    @staticmethod
+    def _leader_ready(leader: Request) -> bool:
+        return leader.finished or leader.num_computed >= len(leader.prompt)
+
+    def _match(self, seq: Request) -> int:
+        """Take the cached prefix pages of `seq` (at least one token is always left to compute, for its logits)."""
+        if self.radix is None:
+            return 0
+        pages = self.radix.match(seq.all_tokens[: seq.num_tokens - 1])
+        self.pool.incref(pages)
+        seq.pages, seq.num_computed = list(pages), len(pages) * self.page_size
+        return len(pages)
+
+    def update(
+        self, plan: list[ScheduledSeq], sampled: dict[int, tuple[int, float | None, list | None]]
+    ) -> list[Request]:
+        """Advance the step's sequences; `sampled[i]` = (token, logprob, top) for plan entry i that sampled.
+
+        Returns the sequences that finished in this step (their pages are released and cached).
+        """
+        finished = []
+        for i, item in enumerate(plan):
+            seq = item.seq
+            if seq.status is not Status.RUNNING:
+                continue
+            before = seq.num_computed
+            seq.num_computed += item.num_new
+            if before < len(seq.prompt) <= seq.num_computed:
+                self._cache(seq)  # prompt fully computed: shareable now (n > 1 siblings, shared system prompts)
+            self.stats.prefill_tokens += max(0, min(seq.num_computed, len(seq.prompt)) - max(before, 0))
+            if not item.sample:
+                continue
+            token, logprob, top = sampled[i]
+            self.stats.decode_tokens += 1
+            seq.outputs.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
+            reason = seq.check_stop()
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Request, reason: str) -> None:
+        """End a running sequence (also used by the engine for stop strings)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq, cache=True)
+        seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -1,0 +1,212 @@
+"""The engine against transformers' greedy generate: continuous batching, paging, prefix hits, chunked
+prefill, preemption, n > 1, logprobs, aborts, and no KV leaks."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import astrai
+from astrai.inference.engine import Engine, EngineBusyError, EngineConfig
+from astrai.inference.params import SamplingParams
+from helpers import save_hf, tiny_hf_model, tiny_model_dir
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = tiny_hf_model("qwen2", max_position_embeddings=512)
+    return hf, astrai.load(save_hf(hf, tmp_path_factory.mktemp("m")))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, 256, (40,), generator=gen).tolist()  # a shared "system prompt"
+    out = []
+    for i, n in enumerate([3, 17, 1, 33, 8, 50, 21, 2, 64, 5, 40, 11, 29, 7, 16, 45]):
+        tail = torch.randint(1, 256, (n,), generator=gen).tolist()
+        out.append(shared + tail if i % 3 == 0 else tail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+    hf, _ = pair
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+            refs.append(out[0, len(p) :].tolist())
+    return refs
+
+
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _assert_idle_and_clean(engine):
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_pages_used == 0
+    engine.pool.check()
+    if engine.radix is not None:
+        engine.radix.check()
+        engine.radix.reset()
+    assert engine.pool.num_free == engine.pool.num_pages - 1
+
+
+@pytest.mark.parametrize(
+    ("page_size", "prefix_cache", "step_tokens"),
+    [(16, True, 2048), (1, True, 64), (16, False, 32), (4, True, 16)],
+    ids=["page16-radix", "page1-radix-chunked", "page16-noradix-chunked", "page4-tiny-budget"],
+)
+def test_greedy_equals_transformers_with_staggered_arrivals(pair, prompts, reference, page_size, prefix_cache,
+                                                            step_tokens):  # fmt: skip
+    _, model = pair
+    cfg = EngineConfig(page_size=page_size, prefix_cache=prefix_cache, max_step_tokens=step_tokens, max_running=16,
+                       compile=False, kv_budget_tokens=4096)  # fmt: skip
+    with Engine(model, cfg) as engine:
+        handles = [engine.submit(p, GREEDY) for p in prompts[:6]]
+        time.sleep(0.05)  # let a few steps run before the rest arrive
+        handles += [engine.submit(p, GREEDY) for p in prompts[6:11]]
+        handles[0].result()
+        handles += [engine.submit(p, GREEDY) for p in prompts[11:]]
+        results = [h.result() for h in handles]
+        assert [list(r.outputs[0].token_ids) for r in results] == reference
+        assert all(r.outputs[0].finish_reason == "length" for r in results)
+        if prefix_cache:
+            assert engine.radix.hit_tokens > 0  # the shared system prompt was reused
+        _assert_idle_and_clean(engine)
+
+
+def test_shared_prefix_computes_only_the_suffix(pair, prompts, reference):
+    _, model = pair
+    with Engine(model, EngineConfig(page_size=8, compile=False, kv_budget_tokens=2048)) as engine:
+        first = engine.generate([prompts[0]], GREEDY)[0]
+        before = engine.scheduler.stats.prefill_tokens
+        second = engine.generate([prompts[3]], GREEDY)[0]  # shares the 40-token prefix
+        computed = engine.scheduler.stats.prefill_tokens - before
+        assert second.cached_tokens == 40  # five full pages of 8
+        assert computed == len(prompts[3]) - 40
+        assert list(first.outputs[0].token_ids) == reference[0]
+        assert list(second.outputs[0].token_ids) == reference[3]
+        _assert_idle_and_clean(engine)
+
+
+def test_kv_exhaustion_preempts_and_every_request_still_matches(pair, prompts, reference):
+    _, model = pair
+    # 96 tokens of KV for requests of up to ~120 tokens each: far too little to run them together
+    cfg = EngineConfig(page_size=4, kv_budget_tokens=128, max_running=8, compile=False, prefix_cache=False)
+    fitting = [i for i, p in enumerate(prompts) if len(p) + NEW <= 124]
+    with Engine(model, cfg) as engine:
+        results = engine.generate([prompts[i] for i in fitting], GREEDY)
+        assert [list(r.outputs[0].token_ids) for r in results] == [reference[i] for i in fitting]
+        assert engine.stats().preemptions > 0
+        _assert_idle_and_clean(engine)
+
+
+def test_n_samples_share_the_prompt_and_logprobs_match(pair, prompts):
+    hf, model = pair
+    prompt = prompts[5]
+    with Engine(model, EngineConfig(page_size=4, compile=False, kv_budget_tokens=2048)) as engine:
+        greedy = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True,
+                                                          logprobs=True, top_logprobs=3))[0]  # fmt: skip
+        a, b = greedy.outputs
+        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        # the second sequence reused the first one's prompt pages
+        assert engine.radix.hit_tokens >= (len(prompt) - 1) // 4 * 4
+        with torch.no_grad():
+            full = torch.tensor([prompt + list(a.token_ids)])
+            logp = hf(full).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        expected = logp.gather(-1, torch.tensor(a.token_ids)[:, None])[:, 0]
+        assert a.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+        top = [[t for t, _ in row] for row in a.top_logprobs]
+        assert top == logp.topk(3).indices.tolist()
+        sampled = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=5))[0]
+        assert len(sampled.outputs) == 3 and [o.index for o in sampled.outputs] == [0, 1, 2]
+        _assert_idle_and_clean(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(pair, prompts):
+    _, model = pair
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11)
+    with Engine(model, EngineConfig(compile=False)) as engine:
+        alone = engine.generate([prompts[1]], params)[0].outputs[0].token_ids
+        others = [SamplingParams(max_tokens=10, seed=1), params, SamplingParams(max_tokens=10)]
+        crowd = engine.generate([prompts[4], prompts[1], prompts[7]], others)
+        assert crowd[1].outputs[0].token_ids == alone
+        other = engine.generate([prompts[1]], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=12))
+        assert other[0].outputs[0].token_ids != alone
+
+
+def test_abort_mid_stream_frees_kv(pair, prompts):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False)) as engine:
+        stream = engine.stream(prompts[8], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        got = [next(stream) for _ in range(3)]
+        assert all(d.token_ids for d in got)
+        stream.close()  # the consumer goes away: the request is aborted
+        for _ in range(100):
+            if engine.stats().running == 0:
+                break
+            time.sleep(0.01)
+        _assert_idle_and_clean(engine)
+
+
+def test_async_stream_matches_generate(pair, prompts, reference):
+    _, model = pair
+
+    async def collect(engine):
+        return [d async for d in engine.astream(prompts[2], GREEDY)]
+
+    with Engine(model, EngineConfig(compile=False)) as engine:
+        deltas = asyncio.run(collect(engine))
+    assert [t for d in deltas for t in d.token_ids] == reference[2]
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_stop_strings_and_eos_through_the_tokenizer(tmp_path):
+    model = astrai.load(tiny_model_dir(tmp_path / "m"))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Engine(model, EngineConfig(compile=False)) as engine:
+        free = engine.generate(["hello world"], params)[0].outputs[0]
+        assert free.text == model.tokenizer.decode(free.token_ids)
+        stop = free.text[5:9]  # a stop string that likely spans several tokens
+        cut = engine.generate(["hello world"], SamplingParams(max_tokens=24, temperature=0, stop=(stop,),
+                                                              ignore_eos=True))[0].outputs[0]  # fmt: skip
+        assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.find(stop)]
+        streamed = list(engine.stream("hello world", SamplingParams(max_tokens=24, temperature=0, stop=(stop,),
+                                                                    ignore_eos=True)))  # fmt: skip
+        assert "".join(d.text for d in streamed) == cut.text and streamed[-1].finish_reason == "stop"
+        eos = free.token_ids[3]
+        ended = engine.generate(["hello world"], SamplingParams(max_tokens=24, temperature=0,
+                                                                stop_token_ids=(eos,)))[0].outputs[0]  # fmt: skip
+        assert ended.finish_reason == "stop" and ended.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+
+
+def test_bad_requests_are_rejected_with_clear_errors(pair):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, max_waiting=2)) as engine:
+        with pytest.raises(ValueError, match="500 tokens and max_tokens is 20: 520 tokens, more than the model's"):
+            engine.submit([1] * 500, SamplingParams(max_tokens=20))
+        with pytest.raises(ValueError, match="empty"):
+            engine.submit([], SamplingParams())
+        with pytest.raises(ValueError, match=r"outside \[0, 256\)"):
+            engine.submit([1, 300], SamplingParams())
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit([1, 2], SamplingParams(temperature=-1))
+        with engine._cv:  # hold the engine thread so the queue fills
+            engine.submit([1, 2], SamplingParams(max_tokens=2))
+            engine.submit([1, 2], SamplingParams(max_tokens=2))
+            with pytest.raises(EngineBusyError):
+                engine.submit([1, 2], SamplingParams(max_tokens=2))
+
+
+def test_compiled_decode_equals_eager(pair, prompts, reference):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048)) as engine:
+        results = engine.generate(prompts[:5], GREEDY)
+    assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
