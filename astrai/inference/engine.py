@@ -64,6 +64,10 @@ class EngineConfig:
     """torch.compile the decode step and the sampler (CUDA graphs on CUDA)."""
     seed: int | None = None
     """Seed for the seeds of requests that give none (None: random)."""
+    background: bool = True
+    """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
+    the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
+    `LLM`; on CPU that is faster, because OpenMP spins less in a second thread's worker pool."""
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +105,10 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[Delta]:
         while self.completion is None:
+            if not self._engine.config.background:
+                while self._sync.empty():
+                    if not self._engine.step() and self._sync.empty():
+                        raise RuntimeError(f"request {self.request_id} is not known to the engine")
             item = self._sync.get()
             if isinstance(item, BaseException):
                 raise item
@@ -120,6 +128,19 @@ class RequestHandle:
                 self.completion = item
                 return
             yield item
+
+    def poll(self) -> list[Delta]:
+        """The deltas delivered so far and not yet consumed, without blocking (sets `completion` at the end)."""
+        out = []
+        while not self._sync.empty():
+            item = self._sync.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Completion):
+                self.completion = item
+            else:
+                out.append(item)
+        return out
 
     def result(self) -> Completion:
         """Block until the request finishes; returns its Completion (again on later calls)."""
@@ -163,8 +184,10 @@ class Engine:
         self._cv = threading.Condition()
         self._stop, self._error = False, None
         self._generated, self._rate = 0, 0.0
-        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if cfg.background:
+            self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
+            self._thread.start()
 
     def _num_pages(self) -> int:
         cfg, per_token = self.config, kv_bytes_per_token(self.model.config, self.model.dtype)
@@ -244,6 +267,9 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if it already finished)."""
+        if not self.config.background:
+            self._abort_now(request_id)
+            return
         with self._cv:
             self._aborts.append(request_id)
             self._cv.notify()
@@ -271,6 +297,8 @@ class Engine:
 
     async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
         """Submit one request from an event loop and iterate its deltas; cancelling aborts the request."""
+        if not self.config.background:
+            raise RuntimeError("astream needs EngineConfig(background=True)")
         handle = self.submit(prompt, params, loop=asyncio.get_running_loop())
         try:
             async for delta in handle:
@@ -297,7 +325,11 @@ class Engine:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        else:
+            for request_id in list(self._tracked):
+                self._abort_now(request_id)
 
     def __enter__(self) -> Engine:
         return self
@@ -308,25 +340,44 @@ class Engine:
     # ---- the engine thread --------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            while self._step():
-                pass
+            while self._wait_for_work():
+                self._run_step()
         except Exception as err:  # a bug or a device error: fail every request loudly instead of hanging them
-            with self._cv:
-                self._error = f"{type(err).__name__}: {err}"
-                failed = list(self._tracked.values())
-                self._tracked.clear()
-            for tracked in failed:
-                tracked.handle._put(EngineDeadError(f"the engine stopped after an error: {self._error}"))
+            self._fail(err)
             raise
         for request_id in list(self._tracked):  # shutdown: end what is left
             self._abort_now(request_id)
 
-    def _step(self) -> bool:
+    def step(self) -> bool:
+        """Run one step on the calling thread (engines with background=False); False when there is no work."""
+        if self.config.background:
+            raise RuntimeError("this engine steps on its own thread (EngineConfig.background=True)")
+        with self._cv:
+            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+                return False
+        try:
+            self._run_step()
+        except Exception as err:
+            self._fail(err)
+            raise
+        return True
+
+    def _fail(self, err: Exception) -> None:
+        with self._cv:
+            self._error = f"{type(err).__name__}: {err}"
+            failed = list(self._tracked.values())
+            self._tracked.clear()
+        for tracked in failed:
+            tracked.handle._put(EngineDeadError(f"the engine stopped after an error: {self._error}"))
+
+    def _wait_for_work(self) -> bool:
         with self._cv:
             while not (self._inbox or self._aborts or self._stop or self.scheduler.has_work()):
                 self._cv.wait()
-            if self._stop:
-                return False
+            return not self._stop
+
+    def _run_step(self) -> None:
+        with self._cv:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
         for tracked in inbox:
@@ -335,13 +386,12 @@ class Engine:
             self._abort_now(request_id)
         plan = self.scheduler.schedule()
         if not plan:
-            return True
+            return
         start = time.perf_counter()
         sampled = self.runner.execute(plan, vocab_size=self.model.config.vocab_size)
         self.scheduler.update(plan, sampled)
         self._rate = 0.9 * self._rate + 0.1 * len(sampled) / max(time.perf_counter() - start, 1e-9)
         self._deliver({item.seq.id for item in plan})
-        return True
 
     def _deliver(self, request_ids: set[str]) -> None:
         for request_id in request_ids:

@@ -24,7 +24,8 @@ def _run(model: Model, prompts: Sequence[str | Sequence[int]], params: SamplingP
     lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
     budget = sum(-(-(n + params.max_tokens) // PAGE_SIZE) * PAGE_SIZE for n in lengths) * params.n
     config = EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=budget, max_running=len(prompts) * params.n,
-                          max_step_tokens=max(2048, len(prompts) * params.n), compile=False)  # fmt: skip
+                          max_step_tokens=max(2048, len(prompts) * params.n), compile=False,
+                          background=False)  # fmt: skip
     with Engine(model, config) as engine:
         return engine.generate(list(prompts), params)
 

@@ -22,9 +22,17 @@ from astrai.inference.scheduler import ScheduledSeq
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.ops.attention import AttnMeta
-from astrai.tree import leaves
+from astrai.tree import leaves, tree_map
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
+    # batch size and block-table width change from step to step: compile them as symbolic sizes from the start
+    # (CPU), instead of recompiling once per new size
+    for t in (tokens, meta.positions, meta.slot_mapping, meta.seq_lens, meta.cu_seqlens_q, meta.block_table):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -56,6 +64,7 @@ class ModelRunner:
                 decode_step, cfg=self.cfg, mode=mode, dynamic=False if self.cuda else None
             )
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
+        self._buffers: dict[tuple[int, int], tuple[Tensor, AttnMeta]] = {}  # CUDA decode buckets
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
@@ -79,17 +88,35 @@ class ModelRunner:
         slots += [-1] * pad
         seq_lens += [0] * pad
         cu += [cu[-1] + i + 1 for i in range(pad)]
-        dev = self.device
         meta = AttnMeta(
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_table=table.to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
             page_size=page,
             decode=decode,
         )
-        return torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True), meta
+        tokens_t = torch.tensor(tokens, dtype=torch.int64)
+        if self.cuda and decode and self.compiled_decode is not None:
+            return self._into_buffers(tokens_t, meta)
+        return tokens_t.to(self.device), tree_map(lambda t: t.to(self.device), meta)
+
+    def _into_buffers(self, tokens: Tensor, meta: AttnMeta) -> tuple[Tensor, AttnMeta]:
+        """Copy decode metadata into this bucket's preallocated device buffers (fixed addresses, marked static,
+        so CUDA-graph replays read them in place instead of copying every input)."""
+        key = (tokens.shape[0], meta.block_table.shape[1])
+        if key not in self._buffers:
+            bufs = (tokens.to(self.device), tree_map(lambda t: t.to(self.device), meta))
+            for t in leaves(bufs):
+                torch._dynamo.mark_static_address(t)
+            self._buffers[key] = bufs
+            return bufs
+        buf_tokens, buf_meta = self._buffers[key]
+        buf_tokens.copy_(tokens, non_blocking=True)
+        for dst, src in zip(leaves(buf_meta), leaves(meta), strict=True):
+            dst.copy_(src, non_blocking=True)
+        return buf_tokens, buf_meta
 
     def _width(self, plan: Sequence[ScheduledSeq]) -> int:
         # CUDA graphs want one table width (the kernels' cost follows seq_lens, not the width); the CPU path
@@ -97,7 +124,7 @@ class ModelRunner:
         need = max(len(item.seq.pages) for item in plan)
         if self.cuda:
             return max(need, -(-self.cfg.max_position_embeddings // self.page_size))
-        return 1 << max(0, need - 1).bit_length()
+        return max(2, 1 << max(0, need - 1).bit_length())  # >= 2: a width of 1 would get its own specialised graph
 
     # ---- one step -----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -112,6 +139,8 @@ class ModelRunner:
         if decode:
             rows = bucket(len(plan), self.max_running) if (self.cuda and self.compiled_decode) else len(plan)
             tokens, meta = self._meta(plan, decode=True, rows=rows, width=self._width(plan))
+            if self.compiled_decode is not None and not self.cuda:
+                _mark_dynamic(tokens, meta)
             step = self.compiled_decode or self.eager_decode
             logits = step(self.model.params, tokens, meta, self.cache)[: len(plan)]
         else:

@@ -2,8 +2,9 @@
 
 These gather each request's K/V from the pool into a padded [B, P*N] view and run SDPA with a mask. Shapes
 depend only on tensor shapes (never on values), so they trace under `torch.compile` without host syncs.
-Extend attention flattens all requests' keys into one axis and masks out other requests' keys: simple and
-static-shaped, at the cost of B x the attention FLOPs (negligible next to the projections on CPU).
+Extend attention in eager mode loops over requests (the host knows their lengths: no wasted FLOPs; a fresh
+prompt uses SDPA's causal fast path). Under `torch.compile` it flattens all requests' keys into one axis and
+masks out other requests' keys instead: static-shaped and traceable, at B x the attention FLOPs.
 The per-request loop references in `triton_kernels/*_ref` are the specification these are tested against.
 """
 
@@ -75,7 +76,13 @@ def extend_attention_torch(
     scale: float,
     window: int = 0,
 ) -> Tensor:
-    """q: [T, H, D] ragged new tokens (request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> [T, H, D]."""
+    """q: [T, H, D] ragged new tokens (request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> [T, H, D].
+
+    Eager calls loop over requests (the host can read the lengths; no wasted FLOPs); traced calls use the
+    static-shape flattened form (see the module docstring).
+    """
+    if not torch.compiler.is_compiling():
+        return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
     num_tokens, num_reqs = q.shape[0], seq_lens.shape[0]
     cu = cu_seqlens_q.long()
     rows = torch.arange(num_tokens, device=q.device)
@@ -95,3 +102,34 @@ def extend_attention_torch(
     v_all = v.reshape(1, num_reqs * span, *v.shape[2:]).transpose(1, 2)
     out = _sdpa(q.transpose(0, 1)[None], k_all, v_all, mask, scale)  # [1, H, T, D]
     return out[0].transpose(0, 1)
+
+
+def _extend_per_request(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor,
+    page_size: int, scale: float, window: int,
+) -> Tensor:  # fmt: skip
+    out = torch.zeros_like(q)  # rows owned by no request stay zero
+    num_pages = k_cache.shape[0] // page_size
+    k_paged = k_cache.view(num_pages, page_size, *k_cache.shape[1:])  # [P_all, N, K, D]
+    v_paged = v_cache.view(num_pages, page_size, *v_cache.shape[1:])
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, length in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        pages = block_table[b, : -(-length // page_size)].long()
+        k = k_paged.index_select(0, pages).flatten(0, 1)[:length].transpose(0, 1)  # [K, L, D]
+        v = v_paged.index_select(0, pages).flatten(0, 1)[:length].transpose(0, 1)
+        qb = q[start:end].transpose(0, 1)  # [H, n, D]
+        gqa = qb.shape[0] != k.shape[0]
+        prefix = length - (end - start)
+        if prefix == 0 and window <= 0:
+            o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
+                                               enable_gqa=gqa)  # fmt: skip
+        else:
+            q_pos = torch.arange(prefix, length, device=q.device)[None, :]  # [1, n]
+            mask = _key_mask(q_pos, torch.arange(length, device=q.device), seq_lens[b : b + 1].long(), window)[0]
+            o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)  # fmt: skip
+        out[start:end] = o.transpose(0, 1)
+    return out

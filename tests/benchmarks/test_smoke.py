@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py"])
+@pytest.mark.parametrize("script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py"])
 def test_smoke_mode_reports_json(script, tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -21,9 +21,10 @@ def test_smoke_mode_reports_json(script, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == json.loads((tmp_path / "out.json").read_text())
-    rows = report.get("rows") or report.get("results")
-    assert rows, report
     if "rows" in report:  # kernel smokes compare against their references
-        assert all(row["ok"] for row in rows)
-    else:  # bench_forward: both sides produced positive rates
-        assert all(row["hf_decode_tok_s"] > 0 and row["astrai_compiled_decode_tok_s"] > 0 for row in rows)
+        assert report["rows"] and all(row["ok"] for row in report["rows"])
+    elif "results" in report:  # bench_forward: both sides produced positive rates
+        assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
+    else:  # bench_engine: every section measured, and the radix saved prefill work
+        assert report["single"]["engine_tok_s"] > 0 and report["batch"][0]["engine_tok_s"] > 0
+        assert report["prefix"]["on"]["prefill_tokens"] < report["prefix"]["off"]["prefill_tokens"]

@@ -210,3 +210,17 @@ def test_compiled_decode_equals_eager(pair, prompts, reference):
     with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048)) as engine:
         results = engine.generate(prompts[:5], GREEDY)
     assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
+
+
+def test_foreground_engine_steps_on_the_calling_thread(pair, prompts, reference):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, background=False, max_step_tokens=32, max_running=8)) as engine:
+        assert engine._thread is None
+        results = engine.generate(prompts[:4], GREEDY)
+        assert [list(r.outputs[0].token_ids) for r in results] == reference[:4]
+        stream = engine.stream(prompts[5], GREEDY)
+        first = next(stream)
+        assert first.token_ids == (reference[5][0],)
+        stream.close()  # aborts at once: no step needed to release the KV
+        _assert_idle_and_clean(engine)
+        assert not engine.step()

@@ -1,0 +1,206 @@
+"""Engine throughput and latency vs transformers on the same random weights (CPU, SmolLM2-135M-shaped).
+
+Sections (one run, side by side):
+  (a) single stream: batch-1 greedy decode tok/s, engine (compiled decode) vs transformers; roofline fraction.
+  (b) N requests of P-token prompts and G new tokens: engine throughput (all submitted at once) vs
+      transformers one by one (timed on a few requests, per-request rate) and vs transformers' padded-batch
+      `generate`.
+  (c) 16 requests sharing an S-token system prompt: prefill tokens computed and wall time, radix on vs off.
+  (d) TTFT and inter-token latency p50/p99 of the engine's streams in (b).
+The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
+docs/inference.md for why a background engine thread is slower on a 2-core CPU.
+Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import console, emit, table
+
+import astrai
+from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.params import SamplingParams
+from astrai.io.hf import config_to_hf
+from configs.models import NAMED
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_engine.json"
+
+
+def build(name: str, dtype: torch.dtype, folder: Path):
+    """A random transformers model of the named config and the same weights loaded by astrai."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**config_to_hf(NAMED[name]()))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+    hf.save_pretrained(folder)
+    return hf, astrai.load(folder, dtype=dtype)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(1, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def hf_generate(hf, batch: list[list[int]], new: int) -> float:
+    """Seconds for transformers' greedy generate of a left-padded batch (exactly `new` tokens each)."""
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def engine_run(engine: Engine, batch: list[list[int]], new: int) -> dict:
+    """Submit all at once and step the engine on this thread; wall time, TTFT and inter-token latencies."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    ttft, itl, start = [], [], time.perf_counter()
+    handles = [engine.submit(p, params) for p in batch]
+    last: dict[int, float] = {}
+    while engine.step():
+        now = time.perf_counter()
+        for i, handle in enumerate(handles):
+            for _ in handle.poll():
+                (ttft.append(now - start) if i not in last else itl.append(now - last[i]))
+                last[i] = now
+    for handle in handles:
+        handle.poll()
+        assert handle.completion is not None
+    wall = time.perf_counter() - start
+    return dict(wall_s=wall, tok_s=len(batch) * new / wall, ttft=ttft, itl=itl)
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
+
+
+def section_single(hf, engine: Engine, model, args) -> dict:
+    prompt = prompts(1, 32, model.config.vocab_size, 1)
+    hf_s = hf_generate(hf, prompt, args.new) - hf_generate(hf, prompt, 1)  # decode only
+    run = engine_run(engine, prompt, args.new)
+    decode_s = sum(run["itl"])
+    weight_bytes = model.nbytes - (0 if model.params.lm_head is None else model.params.embed_tokens.weight.nbytes)
+    engine_tok_s, hf_tok_s = (args.new - 1) / decode_s, (args.new - 1) / hf_s
+    return dict(hf_tok_s=hf_tok_s, engine_tok_s=engine_tok_s, speedup=engine_tok_s / hf_tok_s,
+                roofline=weight_bytes * engine_tok_s / (args.bandwidth * 1e9))  # fmt: skip
+
+
+def section_batch(hf, engine: Engine, model, n: int, args) -> dict:
+    batch = prompts(n, args.prompt_len, model.config.vocab_size, n)
+    one = min(args.one_by_one, n)
+    one_s = sum(hf_generate(hf, [p], args.new) for p in batch[:one]) / one  # per request
+    padded_s = hf_generate(hf, batch, args.new)
+    run = engine_run(engine, batch, args.new)
+    tokens = n * args.new
+    return dict(requests=n, engine_tok_s=run["tok_s"], hf_one_by_one_tok_s=args.new / one_s,
+                hf_padded_tok_s=tokens / padded_s, vs_one_by_one=run["tok_s"] / (args.new / one_s),
+                vs_padded=run["tok_s"] / (tokens / padded_s), ttft_p50=pct(run["ttft"], 50),
+                ttft_p99=pct(run["ttft"], 99), itl_p50=pct(run["itl"], 50), itl_p99=pct(run["itl"], 99))  # fmt: skip
+
+
+def section_prefix(model, args, make_engine) -> dict:
+    system = prompts(1, args.system_len, model.config.vocab_size, 7)[0]
+    batch = prompts(16, 16, model.config.vocab_size, 8, prefix=system)
+    out = {}
+    for radix in (True, False):
+        with make_engine(prefix_cache=radix) as engine:
+            engine_run(engine, batch[:1], 2)  # warm up (and, with the radix, cache the system prompt once)
+            before = engine.stats().prompt_tokens
+            run = engine_run(engine, batch, args.prefix_new)
+            out["on" if radix else "off"] = dict(prefill_tokens=engine.stats().prompt_tokens - before,
+                                                 wall_s=run["wall_s"])  # fmt: skip
+    out["fewer_prefill_tokens"] = out["off"]["prefill_tokens"] / max(out["on"]["prefill_tokens"], 1)
+    out["speedup"] = out["off"]["wall_s"] / out["on"]["wall_s"]
+    return out
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    from bench_forward import memory_bandwidth_gbs
+
+    args.bandwidth = memory_bandwidth_gbs(256 if args.smoke else 1024)
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, model = build(args.config, dtype, Path(tmp))
+
+    def make_engine(prefix_cache: bool = True) -> Engine:
+        cfg = EngineConfig(max_running=max(args.requests), max_step_tokens=args.step_tokens, compile=True,
+                           prefix_cache=prefix_cache, background=False)  # fmt: skip
+        return Engine(model, cfg)
+
+    report = dict(benchmark="bench_engine", config=args.config, dtype=args.dtype, threads=torch.get_num_threads(),
+                  machine=platform.processor() or platform.machine(), torch=torch.__version__,
+                  memory_read_gbs=args.bandwidth, prompt_len=args.prompt_len, new_tokens=args.new)  # fmt: skip
+    with make_engine() as engine:
+        console.print("[dim]warming up (compiles the decode step for a few batch shapes)...[/]")
+        for n in sorted({1, 2, *args.requests}):
+            engine_run(engine, prompts(n, 8, model.config.vocab_size, 99), 3)
+        console.print("[dim](a) single stream...[/]")
+        report["single"] = section_single(hf, engine, model, args)
+        report["batch"] = []
+        for n in args.requests:
+            console.print(f"[dim](b) {n} requests...[/]")
+            report["batch"].append(section_batch(hf, engine, model, n, args))
+    console.print("[dim](c) shared system prompt, radix on/off...[/]")
+    report["prefix"] = section_prefix(model, args, make_engine)
+    return report
+
+
+def show(r: dict) -> None:
+    s = r["single"]
+    console.print(
+        table(
+            f"(a) single stream, {r['config']} {r['dtype']}, {r['threads']} threads",
+            [s],
+            [("hf_tok_s", ".1f"), ("engine_tok_s", ".1f"), ("speedup", ".2f"), ("roofline", ".0%")],
+        )
+    )
+    cols = [("requests", ""), ("engine_tok_s", ".0f"), ("hf_one_by_one_tok_s", ".1f"), ("vs_one_by_one", ".1f"),
+            ("hf_padded_tok_s", ".0f"), ("vs_padded", ".2f"), ("ttft_p50", ".2f"), ("ttft_p99", ".2f"),
+            ("itl_p50", ".3f"), ("itl_p99", ".3f")]  # fmt: skip
+    console.print(table(f"(b, d) {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens (seconds)",
+                        r["batch"], cols))  # fmt: skip
+    p = r["prefix"]
+    rows = [dict(radix=k, **p[k]) for k in ("on", "off")]
+    console.print(table(f"(c) 16 requests sharing a system prompt: {p['fewer_prefill_tokens']:.1f}x fewer prefill "
+                        f"tokens, {p['speedup']:.2f}x faster", rows,
+                        [("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f")]))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="smollm2-135m", choices=sorted(NAMED))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--requests", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--one-by-one", type=int, default=3, help="requests timed one by one in transformers")
+    parser.add_argument("--system-len", type=int, default=512)
+    parser.add_argument("--prefix-new", type=int, default=16)
+    parser.add_argument("--step-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.config, args.requests, args.prompt_len, args.new = "tiny", [4], 16, 8
+        args.one_by_one, args.system_len, args.prefix_new = 1, 64, 4
+    report = run(args)
+    show(report)
+    emit(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
