@@ -36,8 +36,9 @@ CONFIGS = ("smollm2-135m", "qwen2.5-0.5b", "tiny")
 console = Console()
 
 
-def memory_bandwidth_gbs(size_mib: int = 1024, repeats: int = 5) -> float:
-    """Measured read bandwidth: best time of summing a large fp32 tensor."""
+def memory_bandwidth_gbs(size_mib: int = 1024, repeats: int = 10) -> float:
+    """Measured read bandwidth: the best of `repeats` timed sums of a large fp32 tensor (the box is shared and
+    noisy, so the best run is the closest to what the memory system can do)."""
     x = torch.ones(size_mib * 2**20 // 4)
     x.sum()
     best = min(_timed(lambda: x.sum()) for _ in range(repeats))

@@ -195,9 +195,11 @@ class Engine:
         if tokens is None:
             if self.model.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.model.device)
-                tokens = int(free * cfg.kv_memory_fraction) // per_token
+                budget = int(free * cfg.kv_memory_fraction)
             else:
-                tokens = min(cfg.kv_budget_bytes // per_token, cfg.max_running * self.max_model_len)
+                budget = cfg.kv_budget_bytes
+            # never more than every running sequence at full length can use
+            tokens = min(budget // per_token, cfg.max_running * self.max_model_len)
         return max(2, tokens // cfg.page_size + 1)  # + the null page
 
     # ---- submission -------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The device side of the engine: turns a scheduled step into one forward + one sampling call.
 
 A step whose sequences all feed exactly one token and all sample is a *decode* step: it runs `decode_step`
-(compiled; on CUDA with CUDA graphs over batch buckets, padded with rows that write to the null page and attend
-to nothing). Any other step (prefill chunks, prefix-hit extends, mixed with decodes) runs `prefill_step` over
-the flattened tokens with `logits_positions` = the rows that sample. Sampling is a separate (compiled) call on
-the sampled rows only.
+(compiled; on CUDA over padded batch buckets, whose padding rows write to the null page and attend to
+nothing). Any other step (prefill chunks, prefix-hit extends, mixed with decodes) runs `prefill_step` over the
+flattened tokens with `logits_positions` = the rows that sample. Sampling is a separate (compiled) call on the
+sampled rows only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from astrai.inference.scheduler import ScheduledSeq
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.ops.attention import AttnMeta
-from astrai.tree import leaves, tree_map
+from astrai.tree import tree_map
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -36,7 +36,7 @@ def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
 
 
 def bucket(n: int, limit: int) -> int:
-    """Smallest decode bucket >= n (batch sizes are padded up to it so CUDA graphs are reused)."""
+    """Smallest decode bucket >= n (CUDA batch sizes are padded up to it, so compiled graphs are reused)."""
     return next((b for b in DECODE_BUCKETS if b >= n), max(n, limit))
 
 
@@ -51,20 +51,12 @@ class ModelRunner:
         self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg)
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg)
         self.compiled_decode: Callable | None = None
-        if compile and self.cuda:
-            # CUDA graphs copy every non-static input into their own buffers on each replay: mark the weights and
-            # the pool static so only the small metadata tensors are copied (gpt-fast does the same for its cache)
-            for tensor in [*leaves(model.params), *self.cache.k, *self.cache.v]:
-                torch._dynamo.mark_static_address(tensor)
         if compile:
-            # CUDA: CUDA graphs over padded batch buckets (static shapes); CPU: automatic dynamic shapes (the batch
-            # and table-width dims turn symbolic after their first change, so a handful of graphs cover all sizes)
-            mode = "reduce-overhead" if self.cuda else None
-            self.compiled_decode = compile_step(
-                decode_step, cfg=self.cfg, mode=mode, dynamic=False if self.cuda else None
-            )
+            # CUDA: static shapes over padded batch buckets (one graph per bucket). CUDA graphs
+            # (mode="reduce-overhead") are not used yet: capture from the engine thread recorded an empty graph
+            # on the H200 (see docs/inference.md). CPU: dynamic shapes (a handful of graphs cover all sizes).
+            self.compiled_decode = compile_step(decode_step, cfg=self.cfg, dynamic=False if self.cuda else None)
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
-        self._buffers: dict[tuple[int, int], tuple[Tensor, AttnMeta]] = {}  # CUDA decode buckets
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
@@ -97,29 +89,11 @@ class ModelRunner:
             page_size=page,
             decode=decode,
         )
-        tokens_t = torch.tensor(tokens, dtype=torch.int64)
-        if self.cuda and decode and self.compiled_decode is not None:
-            return self._into_buffers(tokens_t, meta)
-        return tokens_t.to(self.device), tree_map(lambda t: t.to(self.device), meta)
-
-    def _into_buffers(self, tokens: Tensor, meta: AttnMeta) -> tuple[Tensor, AttnMeta]:
-        """Copy decode metadata into this bucket's preallocated device buffers (fixed addresses, marked static,
-        so CUDA-graph replays read them in place instead of copying every input)."""
-        key = (tokens.shape[0], meta.block_table.shape[1])
-        if key not in self._buffers:
-            bufs = (tokens.to(self.device), tree_map(lambda t: t.to(self.device), meta))
-            for t in leaves(bufs):
-                torch._dynamo.mark_static_address(t)
-            self._buffers[key] = bufs
-            return bufs
-        buf_tokens, buf_meta = self._buffers[key]
-        buf_tokens.copy_(tokens, non_blocking=True)
-        for dst, src in zip(leaves(buf_meta), leaves(meta), strict=True):
-            dst.copy_(src, non_blocking=True)
-        return buf_tokens, buf_meta
+        tokens_t = torch.tensor(tokens, dtype=torch.int64).to(self.device)
+        return tokens_t, tree_map(lambda t: t.to(self.device), meta)
 
     def _width(self, plan: Sequence[ScheduledSeq]) -> int:
-        # CUDA graphs want one table width (the kernels' cost follows seq_lens, not the width); the CPU path
+        # CUDA takes one table width (static shapes; the kernels' cost follows seq_lens, not the width); the CPU path
         # gathers the whole width, so it gets the smallest power of two that fits
         need = max(len(item.seq.pages) for item in plan)
         if self.cuda:

@@ -10,7 +10,7 @@ import torch
 import astrai
 from astrai.inference.engine import Engine, EngineBusyError, EngineConfig
 from astrai.inference.params import SamplingParams
-from helpers import save_hf, tiny_hf_model, tiny_model_dir
+from helpers import DEVICE, save_hf, tiny_hf_model, tiny_model_dir
 
 NEW = 12
 
@@ -18,7 +18,8 @@ NEW = 12
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     hf = tiny_hf_model("qwen2", max_position_embeddings=512)
-    return hf, astrai.load(save_hf(hf, tmp_path_factory.mktemp("m")))
+    # on a GPU machine the engine runs the Triton kernels (and CUDA graphs); the reference stays on the CPU
+    return hf, astrai.load(save_hf(hf, tmp_path_factory.mktemp("m")), device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_async_stream_matches_generate(pair, prompts, reference):
 
 
 def test_stop_strings_and_eos_through_the_tokenizer(tmp_path):
-    model = astrai.load(tiny_model_dir(tmp_path / "m"))
+    model = astrai.load(tiny_model_dir(tmp_path / "m"), device=DEVICE)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with Engine(model, EngineConfig(compile=False)) as engine:
         free = engine.generate(["hello world"], params)[0].outputs[0]
@@ -205,9 +206,10 @@ def test_bad_requests_are_rejected_with_clear_errors(pair):
                 engine.submit([1, 2], SamplingParams(max_tokens=2))
 
 
-def test_compiled_decode_equals_eager(pair, prompts, reference):
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
+def test_compiled_decode_equals_eager(pair, prompts, reference, background):
     _, model = pair
-    with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048)) as engine:
+    with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048, background=background)) as engine:
         results = engine.generate(prompts[:5], GREEDY)
     assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
 
