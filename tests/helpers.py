@@ -83,7 +83,7 @@ def save_hf(model, folder, **kwargs) -> str:
     return str(folder)
 
 
-def tiny_model_dir(folder, *, seed: int = 0) -> str:
+def tiny_model_dir(folder, *, seed: int = 0, max_position_embeddings: int = 2048) -> str:
     """Save a tiny random qwen3-shaped astrai model with a locally trained tokenizer and a ChatML template."""
     from astrai.io.model import Model, save
     from astrai.io.templates import chatml_template
@@ -103,7 +103,7 @@ def tiny_model_dir(folder, *, seed: int = 0) -> str:
         num_key_value_heads=2,
         head_dim=8,
         qk_norm=True,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=(tok.eos_token_id,),
     )
     model = Model(config=cfg, params=init_params(cfg, seed=seed), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import tyro
 
-from astrai.cli import chat, generate, info
+from astrai.cli import chat, generate, info, serve
 
 COMMANDS = {
     "info": (info.InfoConfig, info.main),
     "generate": (generate.GenerateConfig, generate.main),
     "chat": (chat.ChatConfig, chat.main),
+    "serve": (serve.ServeConfig, serve.main),
 }
 
 

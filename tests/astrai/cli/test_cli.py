@@ -51,3 +51,34 @@ def test_bad_folder_is_one_line_error_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "astrai.cli.main", "serve", "--model", model_dir, "--port", str(port),
+         "--no-compile", "--served-model-name", "cli-model", "--api-key", "k"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k"})
+        assert models.json()["data"][0]["id"] == "cli-model"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
+    assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in out, out

@@ -1,0 +1,69 @@
+"""`astrai serve --model DIR`: an OpenAI- and Anthropic-compatible HTTP server on uvicorn.
+
+Binds 127.0.0.1 by default. SIGINT/SIGTERM stop accepting connections, let in-flight requests finish for up to
+`--graceful-timeout` seconds, then end the rest (finish_reason "abort") and free their KV.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import tyro
+
+from astrai.cli._common import console, load_model
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    """Serve a model over HTTP."""
+
+    model: Path
+    """HF-format model folder."""
+    host: str = "127.0.0.1"
+    """Interface to bind (0.0.0.0 exposes the server to the network)."""
+    port: int = 8000
+    """TCP port."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes."""
+    served_model_name: str | None = None
+    """Model id reported by /v1/models and in responses (default: the folder name)."""
+    max_running: int = 64
+    """Most sequences decoding at once."""
+    max_waiting: int = 256
+    """Most queued requests before the server answers 429 (OpenAI) / 529 (Anthropic)."""
+    kv_budget: int | None = None
+    """KV pool size in tokens (default: a share of free memory on CUDA, 1 GiB on CPU)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    max_body_bytes: int = 8 << 20
+    """Largest accepted request body."""
+    dtype: str | None = None
+    """Parameter dtype (float32, bfloat16, float16); default: the checkpoint's."""
+    device: str | None = None
+    """Device, e.g. cuda; default cpu."""
+    compile: bool = True
+    """torch.compile the decode step (first requests wait for the compile)."""
+    graceful_timeout: int = 30
+    """Seconds in-flight requests get to finish on shutdown."""
+
+
+def main(cfg: ServeConfig) -> None:
+    """Load the model, build the app and run uvicorn until interrupted."""
+    import uvicorn
+
+    from astrai.inference.engine import Engine, EngineConfig
+    from astrai.serve.app import build_app
+
+    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    engine = Engine(model, EngineConfig(max_running=cfg.max_running, max_waiting=cfg.max_waiting,
+                                        kv_budget_tokens=cfg.kv_budget, page_size=cfg.page_size,
+                                        compile=cfg.compile))  # fmt: skip
+    name = cfg.served_model_name or cfg.model.resolve().name
+    app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{cfg.port}/v1  (OpenAI and Anthropic APIs)")
+    uvicorn.run(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout, log_level="info")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(ServeConfig))

@@ -1,0 +1,209 @@
+"""Anthropic-compatible Messages API: `POST /v1/messages` (and `POST /v1/messages/count_tokens`).
+
+Request validation, the prompt and the sampling settings are `anthropic_protocol`'s.
+
+Response: `{"id": "msg_<24 hex>", "type": "message", "role": "assistant", "model", "content": [text block
+(omitted when blank and tool calls follow), tool_use blocks {"id": "toolu_<24 hex>", "name", "input"}],
+"stop_reason": "end_turn" | "max_tokens" | "stop_sequence" | "tool_use", "stop_sequence", "usage":
+{"input_tokens", "output_tokens"}}` (token counts; output includes the eos token). With `stream`: SSE events,
+each `event: <type>` + `data: <json>` + a blank line: message_start, then per block content_block_start /
+content_block_delta (`text_delta`, or `input_json_delta` whose `partial_json` fragments concatenate to the
+input's JSON) / content_block_stop, then message_delta (stop_reason, stop_sequence, usage.output_tokens) and
+message_stop; no `[DONE]`. An engine failure mid-stream is an `error` event. The non-streaming body is
+assembled from the very same events, so both modes always agree.
+
+Which stop sequence fired: the request runs with `include_stop_str_in_output=True` and the reply strips the
+stop itself. The engine emits text that might begin a stop string only once it is decided, so the matched stop
+arrives whole at the end of the final delta; the stop that ended generation is the longest stop sequence the
+text ends with (the engine picks the occurrence ending first, ties to the longest).
+
+Errors: bad input 400, bad key 401, body too large 413, queue full 529 (overloaded_error), client gone 499;
+a client disconnect aborts the request and frees its KV. Not supported: images, documents, citations, thinking,
+server tools, prompt caching fields (cache_control is accepted and ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from astrai.inference.request import Delta
+from astrai.serve.anthropic_protocol import MessagesRequest, parse_request, render_prompt, sampling_params
+from astrai.serve.common import APIError, anthropic_error, deltas, json_body, route, sse, stream_response, submit
+from astrai.serve.tool_calls import TextDelta, ToolCallArgs, ToolCallEnd, ToolCallParser, ToolCallStart
+
+if TYPE_CHECKING:
+    from astrai.serve.app import ServerState
+
+
+class BlockWriter:
+    """Parser events -> Anthropic content-block events (dicts with "type").
+
+    A text block opens at the first non-blank text, so blank text right before a tool call is dropped; each
+    tool call is one tool_use block whose input streams as `input_json_delta` fragments. An empty reply is one
+    empty text block. With `single_call` only the first tool call is kept.
+    """
+
+    def __init__(self, single_call: bool = False) -> None:
+        self.single_call, self.calls, self.index = single_call, 0, -1
+        self.open: str | None = None  # type of the open block
+        self._blank, self._skip = "", set()
+
+    def push(self, event: TextDelta | ToolCallStart | ToolCallArgs | ToolCallEnd) -> list[dict[str, Any]]:
+        """Events for one parser event."""
+        if isinstance(event, TextDelta):
+            return self._text(event.text)
+        if isinstance(event, ToolCallStart):
+            if self.single_call and self.calls:
+                self._skip.add(event.index)
+                return []
+            self.calls, self._blank = self.calls + 1, ""
+            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": event.name, "input": {}}
+            return self._start(block)
+        if event.index in self._skip:
+            return []
+        if isinstance(event, ToolCallArgs):
+            delta = {"type": "input_json_delta", "partial_json": event.text}
+            return [{"type": "content_block_delta", "index": self.index, "delta": delta}] if event.text else []
+        return self._close()
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Close the last block (an all-blank or empty reply still gets its text block)."""
+        out = self._start({"type": "text", "text": ""}) if self.index < 0 else []
+        if self._blank and not self.calls:
+            out += self._delta(self._blank)
+        self._blank = ""
+        return out + self._close()
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        if self.open == "text":
+            return self._delta(text) if text else []
+        self._blank += text
+        if not self._blank.strip():
+            return []
+        text, self._blank = self._blank, ""
+        return self._start({"type": "text", "text": ""}) + self._delta(text)
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._close()
+        self.index, self.open = self.index + 1, block["type"]
+        return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _delta(self, text: str) -> list[dict[str, Any]]:
+        return [{"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        was, self.open = self.open, None
+        return [{"type": "content_block_stop", "index": self.index}] if was else []
+
+
+def assemble(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `content` list that a sequence of content-block events builds (what the SDKs do client-side)."""
+    blocks: list[dict[str, Any]] = []
+    partial: dict[int, str] = {}
+    for ev in events:
+        if ev["type"] == "content_block_start":
+            blocks.append(dict(ev["content_block"]))
+        elif ev["type"] == "content_block_delta" and ev["delta"]["type"] == "text_delta":
+            blocks[ev["index"]]["text"] += ev["delta"]["text"]
+        elif ev["type"] == "content_block_delta":
+            partial[ev["index"]] = partial.get(ev["index"], "") + ev["delta"]["partial_json"]
+    for index, text in partial.items():
+        blocks[index]["input"] = json.loads(text)
+    return blocks
+
+
+class Generation:
+    """One request's deltas -> content-block events, plus the stop reason and token usage."""
+
+    def __init__(self, req: MessagesRequest) -> None:
+        self.stops, self.text, self.output_tokens = req.stop, "", 0
+        self.finish: str | None = None
+        self.matched: str | None = None
+        names = req.tool_names
+        self.parser = ToolCallParser(names, prefix=req.forced) if names else None
+        self.writer = BlockWriter(req.single_call)
+
+    def feed(self, delta: Delta) -> list[dict[str, Any]]:
+        """Events for one engine delta (the final one also closes the blocks)."""
+        self.output_tokens += len(delta.token_ids)
+        self.text += delta.text
+        text = delta.text
+        if delta.finish_reason == "stop" and self.stops:
+            # the matched stop arrives whole at the end of the final delta (see the module docstring)
+            hits = [s for s in self.stops if self.text.endswith(s)]
+            self.matched = max(hits, key=len) if hits else None
+            text = text[: len(text) - len(self.matched)] if self.matched else text
+        parsed = (self.parser.feed(text) if self.parser else [TextDelta(text)]) if text else []
+        if delta.finish_reason is not None:
+            self.finish = delta.finish_reason
+            parsed += self.parser.finish() if self.parser else []
+        events = [ev for p in parsed for ev in self.writer.push(p)]
+        return events + (self.writer.finish() if delta.finish_reason is not None else [])
+
+    @property
+    def stop_reason(self) -> str:
+        """Anthropic's stop_reason for the finished generation."""
+        if self.matched is not None:
+            return "stop_sequence"
+        if self.finish == "length":
+            return "max_tokens"
+        return "tool_use" if self.writer.calls else "end_turn"
+
+
+def _error_event(message: str, kind: str = "api_error") -> str:
+    return sse({"type": "error", "error": {"type": kind, "message": message}}, "error")
+
+
+async def _stream(gen: Generation, source: AsyncIterator[Delta], head: dict[str, Any]) -> AsyncIterator[str]:
+    yield sse({"type": "message_start", "message": head}, "message_start")
+    try:
+        async for delta in source:
+            for ev in gen.feed(delta):
+                yield sse(ev, ev["type"])
+    except Exception as err:  # the engine failed: the status line is long gone, so report in-band
+        yield _error_event(f"generation failed: {type(err).__name__}: {err}")
+        return
+    if gen.finish == "abort":
+        yield _error_event("the request was aborted (the server is shutting down)", "overloaded_error")
+        return
+    delta = {"stop_reason": gen.stop_reason, "stop_sequence": gen.matched}
+    yield sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": gen.output_tokens}}, "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")
+
+
+def routes(state: ServerState) -> list[Route]:
+    """The Anthropic routes over a `ServerState`."""
+
+    async def messages(request: Request) -> Response:
+        req = parse_request(await json_body(request))
+        ids = render_prompt(state.tokenizer, req)
+        handle = submit(state.engine, ids, sampling_params(req), busy_status=529)
+        gen = Generation(req)
+        source = state.metrics.observe(deltas(request, handle), len(ids))
+        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": state.model_name}
+        if req.stream:
+            usage = {"input_tokens": len(ids), "output_tokens": 0}
+            start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+            return stream_response(_stream(gen, source, start))
+        events = [ev async for delta in source for ev in gen.feed(delta)]
+        if handle.completion is None:
+            raise APIError(499, "the client closed the request")
+        if gen.finish == "abort":
+            raise APIError(503, "the request was aborted (the server is shutting down)", type="server_error")
+        usage = {"input_tokens": len(ids), "output_tokens": handle.completion.completion_tokens}
+        return JSONResponse({**head, "content": assemble(events), "stop_reason": gen.stop_reason,
+                             "stop_sequence": gen.matched, "usage": usage})  # fmt: skip
+
+    async def count_tokens(request: Request) -> Response:
+        req = parse_request(await json_body(request), count_only=True)
+        return JSONResponse({"input_tokens": len(render_prompt(state.tokenizer, req))})
+
+    return [Route("/v1/messages", route(anthropic_error, messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", route(anthropic_error, count_tokens), methods=["POST"])]  # fmt: skip

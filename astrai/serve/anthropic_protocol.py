@@ -1,0 +1,287 @@
+"""Anthropic Messages API request bodies -> a validated `MessagesRequest`, its prompt and its SamplingParams.
+
+Request (JSON; validated like the real API, every error a 400 in Anthropic's shape naming the field path):
+- `model` (any string; the reply names the served model), `max_tokens` (int >= 1, required), `messages`
+  (required, non-empty, the first one from `user`): `role` user | assistant, `content` a string or blocks:
+  `text` {text}; `tool_use` {id, name, input: object} (assistant only); `tool_result` {tool_use_id, content:
+  string or text blocks, is_error} (user only, answering every `tool_use` of the assistant message just
+  before it). Other block types (image, document, thinking, ...) are rejected naming the type.
+  A final `assistant` message of text is a pre-fill: generation continues from it (not repeated in the reply).
+- `system` (string or text blocks), `tools` ([{name: ^[a-zA-Z0-9_-]{1,64}$, description, input_schema: an
+  object schema}]; server tools are rejected), `tool_choice` ({"type": "auto" | "any" | "none" | "tool" +
+  "name"}, `disable_parallel_tool_use` keeps only the first call), `stop_sequences`, `temperature` [0, 1]
+  (default 1; 0 = greedy), `top_p` (0, 1], `top_k` (>= 0; 0 = off), `stream`, `metadata` / `service_tier` /
+  `cache_control` (ignored), `thinking` only as {"type": "disabled"}. Unknown fields are rejected. The
+  `anthropic-version` header is accepted and ignored; `x-api-key` is checked by the app's Guard (401).
+
+Prompt: the chat template renders the system message first, then the turns: text blocks joined by "\\n",
+assistant `tool_use` blocks as OpenAI-style `tool_calls` (arguments as a dict), `tool_result` blocks as `tool`
+messages (content prefixed with "Error: " when `is_error`). Tools are rendered unless tool_choice is none;
+"any" pre-fills the assistant turn with `<tool_call>\\n{"name": "` and "tool" with the named call's head, which
+the tool-call parser (`astrai.serve.tool_calls`) treats as already generated.
+
+The routes, streaming and the reply's content blocks are `anthropic_api`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from astrai.inference.params import SamplingParams
+from astrai.serve.common import APIError
+from astrai.serve.tools_common import FORCE_ANY, TOOL_NAME, force_tool, function_tool, template_call, tool_names
+
+if TYPE_CHECKING:
+    from astrai.io.tokenizer import Tokenizer
+
+_FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
+                     "temperature", "top_p", "top_k", "stream", "metadata", "service_tier", "cache_control",
+                     "thinking"})  # fmt: skip
+_KINDS = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+
+
+@attrs.frozen(kw_only=True)
+class MessagesRequest:
+    """A validated request, already in the chat template's terms.
+
+    Attributes:
+        max_tokens: tokens to generate at most.
+        messages: chat-template messages, the system message first.
+        tools: OpenAI-style tool dicts to render (empty: none, also when tool_choice is none).
+        forced: tool-call head pre-filled by tool_choice any/tool ("" otherwise); the parser's prefix.
+        prefill: text of a final assistant message, continued by the model and not repeated in the reply.
+        single_call: keep only the first tool call (disable_parallel_tool_use).
+        stop: stop sequences.
+        temperature, top_p, top_k: sampling settings (top_k 0 = off).
+        stream: answer with server-sent events.
+    """
+
+    max_tokens: int
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    forced: str = ""
+    prefill: str = ""
+    single_call: bool = False
+    stop: tuple[str, ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stream: bool = False
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        """Names of the rendered tools (the only ones the parser accepts)."""
+        return tool_names(self.tools)
+
+
+# ---- validation -----------------------------------------------------------------------------------------------
+def _bad(path: str, message: str) -> APIError:
+    return APIError(400, f"{path}: {message}", param=path)
+
+
+def _check(value: Any, kind: str, path: str) -> Any:
+    ok = isinstance(value, _KINDS[kind]) and (kind == "boolean" or not isinstance(value, bool))
+    if not ok:
+        raise _bad(path, f"Input should be a valid {kind}, got {type(value).__name__}")
+    return value
+
+
+def _req(obj: dict, key: str, kind: str, where: str = "") -> Any:
+    path = f"{where}.{key}" if where else key
+    if key not in obj:
+        raise _bad(path, "Field required")
+    return _check(obj[key], kind, path)
+
+
+def _opt(obj: dict, key: str, kind: str, default: Any = None, where: str = "") -> Any:
+    return default if obj.get(key) is None else _req(obj, key, kind, where)
+
+
+def _text_of(content: Any, path: str) -> str:
+    """A string, or a list of text blocks joined by newlines (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(b["text"] for b in _blocks(content, path, allowed=("text",)))
+
+
+def _blocks(content: Any, path: str, allowed: Sequence[str]) -> list[dict[str, Any]]:
+    """Validated content blocks of one message (a bare string is one text block)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad(path, f"Input should be a string or a list of content blocks, got {type(content).__name__}")
+    out = []
+    for i, block in enumerate(content):
+        where = f"{path}.{i}"
+        kind = _check(block, "object", where).get("type")
+        if kind not in ("text", "tool_use", "tool_result"):
+            raise _bad(f"{where}.type", f"content block type {kind!r} is not supported by this server "
+                                        "(supported: text, tool_use, tool_result)")  # fmt: skip
+        if kind not in allowed:
+            raise _bad(f"{where}.type", f"{kind} blocks are not allowed here (allowed: {', '.join(allowed)})")
+        if kind == "text":
+            out.append({"type": "text", "text": _req(block, "text", "string", where)})
+        elif kind == "tool_use":
+            out.append({"type": "tool_use", "id": _req(block, "id", "string", where), "name": _req(block, "name",
+                        "string", where), "input": _req(block, "input", "object", where)})  # fmt: skip
+        else:
+            text = _text_of(block.get("content") or "", f"{where}.content")
+            error = _opt(block, "is_error", "boolean", False, where)
+            out.append({"type": "tool_result", "tool_use_id": _req(block, "tool_use_id", "string", where),
+                        "text": ("Error: " if error else "") + text})  # fmt: skip
+    return out
+
+
+def _turn(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Template messages of one Anthropic message: tool results become `tool` messages, in block order."""
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(b["text"] for b in blocks
+                                                                       if b["type"] == "text")}  # fmt: skip
+        calls = [template_call(b["id"], b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
+        return [{**msg, "tool_calls": calls} if calls else msg]
+    out, text = [], []
+    for b in blocks + [{"type": "end"}]:
+        if b["type"] == "text":
+            text.append(b["text"])
+            continue
+        if text:
+            out.append({"role": "user", "content": "\n".join(text)})
+            text = []
+        if b["type"] == "tool_result":
+            out.append({"role": "tool", "content": b["text"], "tool_call_id": b["tool_use_id"]})
+    return out
+
+
+def _conversation(raw: list) -> tuple[list[dict[str, Any]], str]:
+    """Template messages of `messages` and the pre-fill of a final assistant text message."""
+    if not raw:
+        raise _bad("messages", "at least one message is required")
+    chat: list[dict[str, Any]] = []
+    pending: set[str] = set()  # tool_use ids of the previous assistant message, to be answered next
+    for i, msg in enumerate(raw):
+        where = f"messages.{i}"
+        role = _check(msg, "object", where).get("role")
+        if role not in ("user", "assistant"):
+            hint = "; put the system prompt in the top-level `system` field" if role == "system" else ""
+            raise _bad(f"{where}.role", f"Input should be 'user' or 'assistant', got {role!r}{hint}")
+        if i == 0 and role != "user":
+            raise _bad(f"{where}.role", "the first message must use the user role")
+        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
+        if "content" not in msg:
+            raise _bad(f"{where}.content", "Field required")
+        blocks = _blocks(msg["content"], f"{where}.content", allowed)
+        if not blocks:
+            raise _bad(f"{where}.content", "all messages must have non-empty content")
+        answered = {b["tool_use_id"] for b in blocks if b["type"] == "tool_result"}
+        if answered - pending:
+            raise _bad(where, f"tool_result blocks answer unknown tool_use ids {sorted(answered - pending)}: each "
+                              "must answer a tool_use of the assistant message just before")  # fmt: skip
+        if pending - answered:
+            raise _bad(where, f"tool_use ids {sorted(pending - answered)} were found without tool_result blocks "
+                              "immediately after")  # fmt: skip
+        pending = {b["id"] for b in blocks if b["type"] == "tool_use"}
+        chat += _turn(role, blocks)
+    if pending:
+        raise _bad(f"messages.{len(raw) - 1}", "the final assistant message has tool_use blocks: send their "
+                                               "tool_result blocks in a user message")  # fmt: skip
+    if raw[-1]["role"] != "assistant":
+        return chat, ""
+    prefill = chat.pop()["content"]
+    if prefill != prefill.rstrip():
+        raise _bad(f"messages.{len(raw) - 1}.content", "final assistant content cannot end with trailing whitespace")
+    return chat, prefill
+
+
+def _tools(raw: list, choice: Any) -> tuple[tuple[dict[str, Any], ...], str, bool]:
+    """(OpenAI-style tools to render, the pre-fill forcing a call, single_call) from `tools` and `tool_choice`."""
+    out, names = [], set()
+    for i, tool in enumerate(raw):
+        where = f"tools.{i}"
+        if _check(tool, "object", where).get("type") not in (None, "custom"):
+            raise _bad(f"{where}.type", f"tool type {tool['type']!r} is not supported; send custom tools "
+                                        "(name, description, input_schema)")  # fmt: skip
+        name = _req(tool, "name", "string", where)
+        if not TOOL_NAME.fullmatch(name):
+            raise _bad(f"{where}.name", f"String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$', got {name!r}")
+        if name in names:
+            raise _bad(f"{where}.name", f"tool names must be unique; {name!r} is repeated")
+        schema = _req(tool, "input_schema", "object", where)
+        if schema.get("type") != "object":
+            raise _bad(f"{where}.input_schema.type", f"Input should be 'object', got {schema.get('type')!r}")
+        description = None if tool.get("description") is None else _req(tool, "description", "string", where)
+        names.add(name)
+        out.append(function_tool(name, description, schema))
+    kind, forced, single = "auto", "", False
+    if choice is not None:
+        kind = _check(choice, "object", "tool_choice").get("type")
+        if kind not in ("auto", "any", "tool", "none"):
+            raise _bad("tool_choice.type", f"Input should be 'auto', 'any', 'tool' or 'none', got {kind!r}")
+        single = _opt(choice, "disable_parallel_tool_use", "boolean", False, "tool_choice")
+        if kind in ("any", "tool") and not out:
+            raise _bad("tool_choice", f"tool_choice {kind!r} may only be specified while providing tools")
+        if kind == "tool":
+            name = _req(choice, "name", "string", "tool_choice")
+            if name not in names:
+                raise _bad("tool_choice.name", f"tool {name!r} is not one of the tools {sorted(names)}")
+            forced = force_tool(name)
+        forced = FORCE_ANY if kind == "any" else forced
+    return (() if kind == "none" else tuple(out)), forced, single
+
+
+def parse_request(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
+    """Validate a /v1/messages body (count_tokens: `count_only`, max_tokens not needed).
+
+    Raises:
+        APIError: 400 naming the offending field path.
+    """
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise _bad(unknown[0], "Extra inputs are not permitted")
+    _req(body, "model", "string")  # any name: the reply names the served model
+    max_tokens = 1 if count_only else _req(body, "max_tokens", "integer")
+    if max_tokens < 1:
+        raise _bad("max_tokens", f"Input should be greater than or equal to 1, got {max_tokens}")
+    chat, prefill = _conversation(_req(body, "messages", "array"))
+    if body.get("system") is not None:
+        system = _text_of(body["system"], "system")
+        chat = [{"role": "system", "content": system}, *chat] if system else chat
+    tools, forced, single = _tools(_opt(body, "tools", "array", []), body.get("tool_choice"))
+    stop = _opt(body, "stop_sequences", "array", [])
+    for i, s in enumerate(stop):
+        if not _check(s, "string", f"stop_sequences.{i}"):
+            raise _bad(f"stop_sequences.{i}", "stop sequences must be non-empty")
+    temperature = _opt(body, "temperature", "number", 1.0)
+    if not 0.0 <= temperature <= 1.0:
+        raise _bad("temperature", f"Input should be between 0 and 1, got {temperature}")
+    top_k = _opt(body, "top_k", "integer", 0)
+    if top_k < 0:
+        raise _bad("top_k", f"Input should be greater than or equal to 0, got {top_k}")
+    _opt(body, "metadata", "object")
+    thinking = _opt(body, "thinking", "object", {"type": "disabled"})
+    if thinking.get("type") != "disabled":
+        raise _bad("thinking", "extended thinking is not supported by this server")
+    return MessagesRequest(max_tokens=max_tokens, messages=tuple(chat), tools=tools, forced=forced, prefill=prefill,
+                           single_call=single, stop=tuple(stop), temperature=float(temperature),
+                           top_p=float(_opt(body, "top_p", "number", 1.0)), top_k=top_k,
+                           stream=_opt(body, "stream", "boolean", False))  # fmt: skip
+
+
+def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest) -> list[int]:
+    """Prompt token ids: the rendered conversation, then the assistant pre-fill and the forced tool-call head."""
+    if tokenizer is None:
+        raise APIError(400, "the served model has no tokenizer, so it cannot take chat messages")
+    try:
+        text = tokenizer.apply_chat_template(list(req.messages), tools=list(req.tools) or None, tokenize=False)
+    except ValueError as err:
+        raise APIError(400, f"the chat template rejected the conversation: {err}") from None
+    text += req.prefill + ("\n" if req.prefill and req.forced else "") + req.forced
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_params(req: MessagesRequest) -> SamplingParams:
+    """Engine settings; stop strings are kept in the output so the reply can tell which one matched."""
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, stop=req.stop, include_stop_str_in_output=bool(req.stop))  # fmt: skip
