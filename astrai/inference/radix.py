@@ -106,6 +106,10 @@ class RadixCache:
         self._hit_tokens += len(path) * self.page_size
         return [node.page for node in path]
 
+    def cached_pages(self, tokens: Sequence[int]) -> list[int]:
+        """Pages of the longest cached full-page prefix of `tokens`, without touching LRU stamps or statistics."""
+        return [node.page for node in self._walk(tokens, len(tokens) // self.page_size)]
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """Cache the full pages of `tokens`, whose K/V are in `pages`; increfs every newly cached page.
 

@@ -95,9 +95,24 @@ class Scheduler:
         return True
 
     def _cache(self, seq: Request) -> None:
-        """Record the fully computed pages of `seq` in the prefix cache."""
-        if self.radix is not None and seq.num_computed >= self.page_size:
-            self.radix.insert(seq.all_tokens[: seq.num_computed], seq.pages)
+        """Record the fully computed pages of `seq` in the prefix cache and adopt the cache's copies.
+
+        Where a prefix was already cached (two requests prefilled the same prompt in one step), `seq` swaps its
+        duplicate pages for the cached ones, which hold the same K/V, and frees its own (as SGLang's
+        `cache_unfinished_req`): otherwise the duplicates and the pinned cached pages would both stay
+        allocated, and a request that fits the pool alone could find it short.
+        """
+        if self.radix is None or seq.num_computed < self.page_size:
+            return
+        tokens = seq.all_tokens[: seq.num_computed]
+        self.radix.insert(tokens, seq.pages)
+        cached = self.radix.cached_pages(tokens)
+        duplicates = [i for i, page in enumerate(cached) if seq.pages[i] != page]
+        if duplicates:
+            self.pool.incref([cached[i] for i in duplicates])
+            self.pool.decref([seq.pages[i] for i in duplicates])
+            for i in duplicates:
+                seq.pages[i] = cached[i]
 
     def _release(self, seq: Request, *, cache: bool) -> None:
         if cache:

@@ -99,7 +99,19 @@ def test_abort_frees_pages_and_records_nothing():
     assert not sched.has_work()
 
 
-@settings(max_examples=40, deadline=None)
+def test_same_prompt_in_one_step_adopts_the_cached_pages():
+    # a and b prefill the same 4-page prompt in one step; b must swap its duplicate pages for a's cached ones,
+    # else they stay allocated under b while the cached copies are pinned, and b alone no longer fits
+    sched = _sched(pages=17, page_size=1, radix=True, running=3, budget=16)
+    a, b = _req(0, [100, 101]), _req(1, [100, 101, 102, 103], max_tokens=12)
+    sched.add([a, b])
+    _step(sched)
+    assert b.pages[:2] == sched.radix.cached_pages([100, 101]) and a.pages[:2] == b.pages[:2]
+    _run(sched)  # 16 tokens in a 16-page pool: fits only without the duplicates
+    assert b.outputs == [7] * 12 and sched.pool.num_used == sched.radix.num_cached_pages
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=10),
     st.sampled_from([1, 2, 4]),
