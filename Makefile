@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m astrai.cli.demo
+	$(PY) -m astrai.cli.main quickstart
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

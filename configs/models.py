@@ -20,6 +20,15 @@ def tiny(vocab_size: int = 512) -> ModelConfig:
     )  # fmt: skip
 
 
+def chat_small(vocab_size: int = 100) -> ModelConfig:
+    """A ~5M-parameter llama-shaped model for the quickstart's character-level chat task (CPU minutes)."""
+    return ModelConfig(
+        model_type="llama", vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
 def smollm2_135m() -> ModelConfig:
     """HuggingFaceTB/SmolLM2-135M (llama family, tied embeddings)."""
     return ModelConfig(
@@ -62,6 +71,7 @@ def llama3_1_8b() -> ModelConfig:
 
 NAMED = {
     "tiny": tiny,
+    "chat-small": chat_small,
     "smollm2-135m": smollm2_135m,
     "qwen2.5-0.5b": qwen2_5_0_5b,
     "qwen3-0.6b": qwen3_0_6b,

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import sys
+
 import tyro
 
-from astrai.cli import chat, generate, info, serve
+from astrai.cli import chat, generate, info, preprocess, quickstart, serve
+from astrai.cli import train as train_cli
 
 COMMANDS = {
     "info": (info.InfoConfig, info.main),
     "generate": (generate.GenerateConfig, generate.main),
     "chat": (chat.ChatConfig, chat.main),
     "serve": (serve.ServeConfig, serve.main),
+    "preprocess": (preprocess.PreprocessConfig, preprocess.main),
+    "quickstart": (quickstart.QuickstartConfig, quickstart.main),
 }
 
 
 def main(args: list[str] | None = None) -> None:
-    """Parse the command line and run the chosen subcommand."""
+    """Parse the command line and run the chosen subcommand.
+
+    `astrai train RECIPE [--overrides]` takes a recipe name (or a run's config.json) before its flags, so it is
+    parsed by `astrai.cli.train`; every other subcommand is a tyro config class.
+    """
+    args = sys.argv[1:] if args is None else list(args)
+    if args and args[0] == "train":
+        train_cli.cli(args[1:])
+        return
     cfg = tyro.extras.subcommand_cli_from_dict(
         {name: cls for name, (cls, _) in COMMANDS.items()}, args=args, prog="astrai"
     )

@@ -54,6 +54,7 @@ def main(cfg: ServeConfig) -> None:
 
     from astrai.inference.engine import Engine, EngineConfig
     from astrai.serve.app import build_app
+    from astrai.serve.server import GracefulServer
 
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     engine = Engine(model, EngineConfig(max_running=cfg.max_running, max_waiting=cfg.max_waiting,
@@ -62,7 +63,9 @@ def main(cfg: ServeConfig) -> None:
     name = cfg.served_model_name or cfg.model.resolve().name
     app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
     console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{cfg.port}/v1  (OpenAI and Anthropic APIs)")
-    uvicorn.run(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout, log_level="info")
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout,
+                            log_level="info")  # fmt: skip
+    GracefulServer(config, engine).run()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from astrai.models.config import ModelConfig, check_config
@@ -130,6 +131,23 @@ def _positions(tokens: Tensor, positions: Tensor | None, meta: AttnMeta | None) 
     return torch.arange(seq, device=tokens.device).repeat(batch)
 
 
+def _block(
+    block: BlockParams,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    shape: AttentionShape,
+    eps: float,
+    meta: AttnMeta | None,
+    kv: tuple[Tensor, Tensor] | None,
+    doc_ids: Tensor | None,
+) -> Tensor:
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    h = rms_norm(block.attn_norm, x, eps=eps)
+    x = x + attention(block.attn, h, cos, sin, shape=shape, meta=meta, kv=kv, doc_ids=doc_ids)
+    return x + mlp(block.mlp, rms_norm(block.mlp_norm, x, eps=eps))
+
+
 def hidden_states(
     params: DecoderParams,
     cfg: ModelConfig,
@@ -138,26 +156,38 @@ def hidden_states(
     positions: Tensor | None = None,
     meta: AttnMeta | None = None,
     cache: KVCache | None = None,
+    doc_ids: Tensor | None = None,
+    embeds: Tensor | None = None,
+    checkpoint_blocks: bool = False,
 ) -> Tensor:
-    """The residual stream after the last block (before the final norm); same leading shape as `tokens`."""
+    """The residual stream after the last block (before the final norm); same leading shape as `tokens`.
+
+    Training extras (dense mode): `doc_ids` keeps attention inside each packed document, `embeds` replaces the
+    embedding lookup (NEFTune adds noise to it), `checkpoint_blocks` recomputes each block in backward
+    (activation checkpointing: stores only the block inputs).
+    """
     if (meta is None) != (cache is None):
         raise ValueError("pass meta and cache together (paged mode) or neither (dense mode)")
     if cache is None and tokens.dim() != 2:
         raise ValueError(f"dense mode expects tokens [B, T], got shape {tuple(tokens.shape)}")
     if cache is not None and tokens.dim() != 1:
         raise ValueError(f"paged mode expects flattened tokens [T], got shape {tuple(tokens.shape)}")
+    if cache is not None and doc_ids is not None:
+        raise ValueError("doc_ids is for dense (training) mode; paged requests are already separate")
     cos, sin = rope_cos_sin(
         _positions(tokens, positions, meta),
         rope=cfg.rope,
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
     )
-    x = embed(params.embed_tokens, tokens)
+    x = embed(params.embed_tokens, tokens) if embeds is None else embeds
     for layer, block in enumerate(params.blocks):
         kv = None if cache is None else (cache.k[layer], cache.v[layer])
-        h = rms_norm(block.attn_norm, x, eps=cfg.rms_norm_eps)
-        x = x + attention(block.attn, h, cos, sin, shape=attention_shape(cfg, layer), meta=meta, kv=kv)
-        x = x + mlp(block.mlp, rms_norm(block.mlp_norm, x, eps=cfg.rms_norm_eps))
+        args = (block, x, cos, sin, attention_shape(cfg, layer), cfg.rms_norm_eps, meta, kv, doc_ids)
+        if checkpoint_blocks:
+            x = torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
+        else:
+            x = _block(*args)
     return x
 
 

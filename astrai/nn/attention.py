@@ -86,6 +86,7 @@ def attention(
     shape: AttentionShape,
     meta: AttnMeta | None = None,
     kv: tuple[Tensor, Tensor] | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor:
     """Self-attention.
 
@@ -96,6 +97,7 @@ def attention(
         shape: static head layout, window and rope layout.
         meta: paged-step metadata; required with `kv`.
         kv: (k_cache, v_cache) pool tensors [S, K, D] of this layer, written in place.
+        doc_ids: dense mode only, [B, T] document index per token (packed rows: no attention across documents).
 
     Returns:
         Same leading shape as `x`, last dim E.
@@ -117,6 +119,7 @@ def attention(
             v.view(*lead, kv_heads, dim),
             scale=shape.scale,
             window=shape.window,
+            doc_ids=doc_ids,
         )
     else:
         if meta is None:

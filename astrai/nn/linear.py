@@ -3,6 +3,10 @@
 Weights keep the `nn.Linear` / HF layout [out, in] and are applied with `F.linear` (via `astrai.ops.linear`),
 so HF checkpoints load without a transpose (zero-copy from mmap) and both CPU and CUDA GEMMs run their tuned
 transposed-B path.
+
+`LoRALinearParams` (a LinearParams plus low-rank adapters, see `astrai.nn.lora`) is defined here rather than
+in `lora.py` because `linear()` dispatches on it and `lora.py` builds on this module: keeping the class here
+avoids an import cycle.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 from torch import Tensor
 
 from astrai.ops.linear import linear as linear_op
-from astrai.tree import pytree
+from astrai.tree import pytree, static
 
 
 @pytree
@@ -22,6 +26,16 @@ class LinearParams:
 
     weight: Tensor  # [out, in]
     bias: Tensor | None = None  # [out]
+
+
+@pytree
+@attrs.frozen(eq=False)
+class LoRALinearParams(LinearParams):
+    """A frozen base projection plus a LoRA update: y = x W^T + b + scaling * (x A^T) B^T (`astrai.nn.lora`)."""
+
+    lora_a: Tensor = attrs.field(kw_only=True)  # [r, in]
+    lora_b: Tensor = attrs.field(kw_only=True)  # [out, r]
+    scaling: float = static(kw_only=True)  # alpha / r
 
 
 def init_linear(
@@ -40,5 +54,9 @@ def init_linear(
 
 
 def linear(p: LinearParams, x: Tensor) -> Tensor:
-    """x: [..., in] -> [..., out]."""
-    return linear_op(x, p.weight, p.bias)
+    """x: [..., in] -> [..., out]; a `LoRALinearParams` adds its low-rank update."""
+    out = linear_op(x, p.weight, p.bias)
+    if isinstance(p, LoRALinearParams):
+        # two thin products through the rank-r bottleneck; B @ A [out, in] is never materialised
+        out = out + linear_op(linear_op(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)) * p.scaling
+    return out

@@ -50,13 +50,17 @@ class KVCache:
     v: tuple[Tensor, ...]
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int = 0) -> Tensor:
-    """Causal attention over full sequences.
+def dense_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int = 0, doc_ids: Tensor | None = None
+) -> Tensor:
+    """Causal attention over full sequences, optionally restricted to each token's own document.
 
     Args:
         q: [B, T, H, D]; k, v: [B, T, K, D].
         scale: softmax scale.
         window: sliding window in tokens (0: none).
+        doc_ids: [B, T] int document index of each token (packed training rows); a query attends only to
+            earlier keys of the same document. None: one document per row (the fast `is_causal` path).
 
     Returns:
         [B, T, H, D].
@@ -64,12 +68,18 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: in
     seq = q.shape[1]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
     gqa = qh.shape[1] != kh.shape[1]
-    if window <= 0 or window >= seq:
+    windowed = 0 < window < seq
+    if not windowed and doc_ids is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        pos = torch.arange(seq, device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [T, T]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+    pos = torch.arange(seq, device=q.device)
+    mask = pos[None, :] <= pos[:, None]  # [T, T] causal
+    if windowed:
+        mask = mask & (pos[None, :] > pos[:, None] - window)
+    if doc_ids is not None:
+        mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])  # [B, T, T]
+        mask = mask[:, None]  # broadcast over heads
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 

@@ -14,6 +14,7 @@ import astrai
 from astrai.inference.engine import Engine, EngineBusyError, EngineConfig
 from astrai.serve.app import build_app
 from astrai.serve.common import APIError, submit
+from astrai.serve.server import GracefulServer
 from helpers import tiny_model_dir
 
 AUTH = {"Authorization": "Bearer test-key"}
@@ -101,14 +102,14 @@ def test_shutdown_ends_in_flight_streams_and_frees_kv(tmp_path):
     model = astrai.load(tiny_model_dir(tmp_path / "m"))
     engine = Engine(model, EngineConfig(compile=False, kv_budget_tokens=4096, max_running=8))
     app = build_app(engine, model_name="m")
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                       timeout_graceful_shutdown=1))  # fmt: skip
+    uv = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                       timeout_graceful_shutdown=1), engine)  # fmt: skip
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     while not uv.started:
         time.sleep(0.01)
     url = f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
-    body = {"model": "m", "prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}
     lines = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
@@ -117,5 +118,8 @@ def test_shutdown_ends_in_flight_streams_and_frees_kv(tmp_path):
                 uv.should_exit = True  # SIGTERM-like: stop while the stream is running
     thread.join(timeout=20)
     assert not thread.is_alive()
+    # the stream ended with its own error event (not cut by uvicorn's task cancellation mid-stream)
+    last = json.loads([line for line in lines if line][-1].removeprefix("data: "))
+    assert "shutting down" in last["error"]["message"]
     stats = engine.stats()
     assert stats.running == 0 and stats.kv_pages_used == 0

@@ -1,0 +1,20 @@
+"""`astrai quickstart`: the README's `make run` — train a small chat model on CPU in minutes and evaluate it."""
+
+from __future__ import annotations
+
+import tyro
+
+from astrai.cli._common import console, run_guarded
+from astrai.quickstart.run import QuickstartSettings as QuickstartConfig
+from astrai.quickstart.run import run_quickstart
+
+__all__ = ["QuickstartConfig", "main"]
+
+
+def main(cfg: QuickstartConfig) -> None:
+    """Run the quickstart with `cfg`."""
+    run_guarded(lambda: run_quickstart(cfg, console))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(QuickstartConfig))

@@ -1,0 +1,1 @@
+"""Training: losses, optimizer, schedules, the compiled train step, LoRA and the host loop."""

@@ -1,0 +1,128 @@
+"""`TrainConfig`: everything a training run needs, as one typed tree (tyro flags, recipes, the run's config.json).
+
+Named recipes in `configs/recipes.py` return a `TrainConfig`; `astrai train RECIPE --optim.lr 3e-4` overrides
+fields with tyro; every run writes its resolved config to `RUN/config.json`, and `astrai train RUN/config.json`
+re-runs (or `--resume`s) it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from cattrs.v import format_exception
+
+from astrai.nn.lora import LoRAConfig
+from astrai.train.optim import AdamWConfig
+from astrai.train.schedule import ScheduleConfig
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    data: Path
+    """Preprocessed shard folder (`astrai preprocess` output): pretraining text or packed SFT rows."""
+    out_dir: Path = Path("runs/train")
+    """Run folder: config.json, metrics.jsonl, loss.png, checkpoints/, model/ (the final weights)."""
+    model: str = "tiny"
+    """A named config from configs/models.py (random init) or a model folder to fine-tune."""
+    tokenizer: Path | None = None
+    """Folder with tokenizer.json saved next to the weights (default: the model folder, if it has one)."""
+    val_data: Path | None = None
+    """Held-out shard folder for eval loss (default: `val_fraction` of `data`)."""
+    val_fraction: float = 0.0
+    """Share of `data` items held out for eval loss when `val_data` is not given."""
+    seq_len: int = 512
+    """Tokens per row."""
+    batch_size: int = 8
+    """Rows per micro-batch on each rank."""
+    grad_accum: int = 1
+    """Micro-batches per optimiser step (global batch = batch_size * grad_accum * ranks)."""
+    steps: int = 1000
+    """Optimiser steps."""
+    optim: AdamWConfig = AdamWConfig()
+    """AdamW (torch.optim) hyperparameters."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Learning-rate schedule (total_steps 0 = `steps`)."""
+    max_grad_norm: float | None = 1.0
+    """Global-norm gradient clipping (None: off)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: autocast compute with fp32 master weights and optimizer state."""
+    neftune_alpha: float = 0.0
+    """NEFTune embedding-noise scale (0: off)."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing."""
+    activation_checkpointing: bool = False
+    """Recompute each block in backward (less memory, ~30% more compute)."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters on a frozen base instead of all weights."""
+    eval_every: int = 0
+    """Steps between eval-loss passes (0: only at the end when there is eval data)."""
+    eval_batches: int = 8
+    """Micro-batches per eval pass."""
+    save_every: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    seed: int = 0
+    """Seed for the initial weights, data order and dropout-like noise."""
+    device: str | None = None
+    """cpu, cuda, cuda:1 ... (default: cuda when available, else cpu; LOCAL_RANK picks the GPU under torchrun)."""
+    compile: bool = True
+    """torch.compile the loss (forward + backward)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in out_dir (a run never overwrites checkpoints without it)."""
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "keep_last", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+_converter.register_unstructure_hook(Path, str)
+_converter.register_structure_hook(Path, lambda value, _: Path(value))
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """JSON-ready dict of `cfg`."""
+    return _converter.unstructure(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Inverse of `config_to_dict`; names the offending field on bad input."""
+    try:
+        return _converter.structure(data, TrainConfig)
+    except cattrs.BaseValidationError as err:
+        details = "; ".join(cattrs.transform_error(err, format_exception=_format))
+        raise ValueError(f"invalid train config: {details}") from None
+
+
+def _format(exc: BaseException, type_: type | None) -> str:
+    # a class's own check (e.g. "batch_size must be >= 1") says more than cattrs' generic "invalid value"
+    if type_ is None and type(exc) is ValueError:
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a run's config.json (or a run folder containing one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such train config") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    return config_from_dict(data)

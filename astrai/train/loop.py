@@ -1,0 +1,243 @@
+"""The host training loop behind `astrai train`: data, schedule, progress, eval, checkpoints, resume, signals.
+
+Never compiled itself; each optimiser step calls `TrainStep` (whose loss is compiled). Order per step:
+sample a global batch → accumulate micro-batch gradients → all-reduce → clip → AdamW → log the *post-clip*
+step's metrics → eval when due → checkpoint when due (the checkpoint holds the weights *after* that step, so
+resuming from step N replays exactly steps N+1...). SIGTERM/SIGINT finish the current step, save, and return.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from astrai.data.batch import LMBatch
+from astrai.io.checkpoint import write_json
+from astrai.io.model import Model, load, save
+from astrai.io.tokenizer import Tokenizer
+from astrai.models.config import ModelConfig
+from astrai.models.decoder import DecoderParams, init_params
+from astrai.nn.lora import apply_lora, init_lora, load_lora, merge_lora, save_lora
+from astrai.train import distributed
+from astrai.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from astrai.train.config import TrainConfig, config_to_dict
+from astrai.train.data import TrainData, open_data
+from astrai.train.metrics import MetricsLog
+from astrai.train.optim import adamw_state_dict, load_adamw_state
+from astrai.train.plot import loss_curve_png
+from astrai.train.progress import TrainProgress
+from astrai.train.schedule import lr_at
+from astrai.train.signals import StopRequest
+from astrai.train.step import StepOptions, TrainState, TrainStep, init_train_state, lm_loss
+from astrai.tree import from_named_tensors, named_tensors, to_device
+
+
+@attrs.frozen
+class TrainResult:
+    """What a finished (or stopped) run produced."""
+
+    run_dir: Path
+    model_dir: Path | None
+    steps: int
+    stopped_early: bool
+    final_loss: float | None
+    eval_loss: float | None
+
+
+def _base_model(cfg: TrainConfig, device: torch.device) -> tuple[ModelConfig, DecoderParams, Tokenizer | None, tuple]:
+    """(config, fp32 params on device, tokenizer, eos ids): a named random init or a model folder."""
+    from configs.models import NAMED
+
+    tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer is not None else None
+    if cfg.model in NAMED:
+        model_cfg = NAMED[cfg.model]()
+        if tokenizer is not None:
+            eos = tokenizer.eos_token_ids
+            model_cfg = attrs.evolve(model_cfg, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None)
+        params = init_params(attrs.evolve(model_cfg, dtype="float32"), seed=cfg.seed, device=device)
+        return model_cfg, params, tokenizer, tuple(model_cfg.eos_token_id)
+    if not Path(cfg.model).is_dir():
+        raise ValueError(f"model {cfg.model!r} is neither a named config ({', '.join(sorted(NAMED))}) nor a folder")
+    model = load(cfg.model, dtype=torch.float32, device=device)
+    return model.config, model.params, tokenizer or model.tokenizer, model.eos_token_ids
+
+
+class _Run:
+    """The state of one run on one rank (host objects; tensors live in `state`)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.dist = distributed.setup(cfg.device)
+        self.device = self.dist.device
+        self.run_dir = Path(cfg.out_dir)
+        torch.manual_seed(cfg.seed)
+        self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, self.device)
+        self.data: TrainData = open_data(cfg, rank=self.dist.rank, world_size=self.dist.world_size)
+        if cfg.lora is not None:
+            self.lora_cfg = cfg.lora
+            trainable, frozen = init_lora(self.base, cfg.lora, seed=cfg.seed), self.base
+            to_params = apply_lora
+        else:
+            self.lora_cfg = None
+            trainable, frozen, to_params = self.base, None, lambda _frozen, params: params
+        self.state: TrainState = init_train_state(trainable, cfg.optim)
+        self.opts = StepOptions(
+            max_grad_norm=cfg.max_grad_norm,
+            neftune_alpha=cfg.neftune_alpha,
+            checkpoint_blocks=cfg.activation_checkpointing,
+            autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
+            label_smoothing=cfg.label_smoothing,
+            compile=cfg.compile,
+        )
+        self.step_fn = TrainStep(
+            self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, frozen=frozen, to_params=to_params
+        )
+        self.schedule = cfg.schedule if cfg.schedule.total_steps else attrs.evolve(cfg.schedule, total_steps=cfg.steps)
+        self.step, self.tokens_seen = 0, 0
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def params(self) -> DecoderParams:
+        """The full parameter tree (LoRA merged) as plain detached tensors."""
+        trainable = self.state.trainable
+        if self.lora_cfg is None:
+            return trainable
+        return merge_lora(self.base, trainable)
+
+    def model(self) -> Model:
+        params = to_device(self.params(), "cpu")
+        params = from_named_tensors(params, {k: v.detach() for k, v in named_tensors(params).items()})
+        return Model(config=self.model_cfg, params=params, tokenizer=self.tokenizer, eos_token_ids=self.eos)
+
+    def _write_weights(self, folder: Path) -> None:
+        if self.lora_cfg is not None:
+            save_lora(self.state.trainable, self.lora_cfg, folder)
+        else:
+            save(self.model(), folder)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.dist.is_main:
+            state = {
+                "tokens_seen": self.tokens_seen,
+                "sampler": self.data.sampler.state_dict(),
+                "config": config_to_dict(self.cfg),
+            }
+            save_checkpoint(
+                self.run_dir,
+                self.step,
+                write_model=self._write_weights,
+                optimizer=adamw_state_dict(self.state.opt),
+                state=state,
+                keep_last=self.cfg.keep_last,
+            )
+        distributed.barrier()
+
+    def resume(self, path: Path) -> None:
+        state, optimizer, rng = load_checkpoint(path)
+        if self.lora_cfg is not None:
+            lora, _ = load_lora(path / "model", self.base)
+            weights = named_tensors(lora)
+        else:
+            weights = named_tensors(load(path / "model", dtype=torch.float32, device=self.device).params)
+        with torch.no_grad():
+            for name, leaf in named_tensors(self.state.trainable).items():
+                leaf.copy_(weights[name])
+        opt = load_adamw_state(self.state.opt, optimizer)
+        self.state = TrainState(trainable=self.state.trainable, opt=to_device(opt, self.device))
+        self.data.sampler.load_state_dict(state["sampler"])
+        set_rng_state(rng)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+    # ---- eval ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self) -> float | None:
+        batches = self.data.eval_batches(self.cfg.eval_batches, self.cfg.batch_size)
+        if not batches:
+            return None
+        total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        params = self.step_fn.to_params(self.step_fn.frozen, self.state.trainable)
+        for batch in batches:
+            batch = to_device(batch, self.device)
+            _, task_sum = lm_loss(params, batch, torch.ones((), device=self.device), cfg=self.model_cfg, opts=self.opts)
+            total += task_sum
+            count += batch.loss_mask.sum()
+        if self.dist.world_size > 1:
+            both = torch.stack([total, count])
+            torch.distributed.all_reduce(both)
+            total, count = both[0], both[1]
+        return (total / count.clamp(min=1)).item()
+
+
+def _micro_batches(run: _Run, batches: Iterator[list[LMBatch]]) -> list[LMBatch]:
+    return [to_device(mb, run.device) for mb in next(batches)]
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) training as configured; returns where the results are. Rank 0 writes all files."""
+    run_dir = Path(cfg.out_dir)
+    previous = latest_checkpoint(run_dir)
+    if previous is not None and not cfg.resume:
+        raise ValueError(
+            f"{run_dir} already has checkpoints (newest: {previous.name}); pass --resume to continue it "
+            "or choose another --out-dir"
+        )
+    run = _Run(cfg)
+    try:
+        return _train(run, previous if cfg.resume else None)
+    finally:
+        distributed.teardown()
+
+
+def _train(run: _Run, previous: Path | None) -> TrainResult:
+    cfg, main = run.cfg, run.dist.is_main
+    if previous is not None:
+        run.resume(previous)
+    if main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(run.run_dir / "config.json", config_to_dict(cfg))
+    log = MetricsLog(run.run_dir / "metrics.jsonl", resume_step=run.step) if main else None
+    batches = run.data.train_batches(cfg.batch_size, cfg.grad_accum)
+    last_loss = last_eval = None
+    stopped = False
+    with StopRequest() as stop, TrainProgress(cfg.steps, start=run.step, enabled=main) as progress:
+        while run.step < cfg.steps:
+            t0 = time.perf_counter()
+            micro = _micro_batches(run, batches)
+            lr = lr_at(run.schedule, cfg.optim.lr, run.step)
+            metrics = run.step_fn(run.state, micro, lr)
+            run.step += 1
+            values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
+            run.tokens_seen += int(values.pop("tokens"))
+            values["lr"] = lr
+            values["tok_s"] = sum(mb.tokens.numel() for mb in micro) * run.dist.world_size / (time.perf_counter() - t0)
+            last_loss = values["loss"]
+            if log is not None:
+                log.log("train", run.step, values)
+            progress.update(run.step, values)
+            if cfg.eval_every and run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+                last_eval = run.eval_loss()
+                if last_eval is not None:
+                    progress.note(f"step {run.step}: eval loss {last_eval:.4f}")
+                    if log is not None:
+                        log.log("eval", run.step, {"loss": last_eval})
+            stop_now = stop.requested
+            if stop_now or run.step == cfg.steps or (cfg.save_every and run.step % cfg.save_every == 0):
+                run.save_checkpoint()
+            if stop_now:
+                stopped = True
+                progress.note(f"{stop.signal_name}: saved checkpoint at step {run.step}; resume with --resume")
+                break
+    model_dir = None
+    if main:
+        if log is not None:
+            log.close()
+            loss_curve_png(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
+        if not stopped:
+            model_dir = save(run.model(), run.run_dir / "model")
+    distributed.barrier()
+    return TrainResult(run.run_dir, model_dir, run.step, stopped, last_loss, last_eval)

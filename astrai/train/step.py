@@ -1,0 +1,185 @@
+"""The train step: masked causal-LM loss over packed rows, gradient accumulation, clipping and AdamW.
+
+`lm_loss` is a pure function of (params, batch) and is what gets compiled (forward + backward through
+AOTAutograd, as torchtitan compiles its blocks); `TrainStep.__call__` is the thin host part around it that
+sums micro-batch gradients, all-reduces them across data-parallel ranks, clips and updates in place.
+
+Notable features:
+- Token-level normalisation: every micro-batch's loss is its *sum* over trained tokens divided by the trained
+  tokens of the whole global batch (all micro-batches on all ranks), so k accumulated micro-batches and R
+  data-parallel ranks give exactly the gradient of one big batch.
+- Document-aware attention: packed rows never attend across documents (`LMBatch.positions` restarts at 0).
+- Chunked cross-entropy: fp32 [tokens, vocab] logits never exist at once.
+- Trainable vs frozen: the optimiser sees only `trainable` (the whole tree, or LoRA adapters);
+  `to_params(frozen, trainable)` builds the tree the forward runs on.
+- Mixed precision: fp32 master weights, optional autocast (bf16 on GPUs); NEFTune noise on the embeddings
+  (uniform, alpha / sqrt(T * E) as in the paper); per-block activation checkpointing.
+- MoE hook: `aux_loss` (zero for dense models) is added with `moe_aux_loss_coef` once the MoE layers return
+  their load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from astrai.data.batch import LMBatch, document_ids
+from astrai.models.config import ModelConfig
+from astrai.models.decoder import DecoderParams, hidden_states, lm_head_weight
+from astrai.nn.embedding import embed
+from astrai.nn.norm import rms_norm
+from astrai.train.loss import chunked_cross_entropy
+from astrai.train.optim import AdamWConfig, AdamWState, adamw_update_, clip_grad_norm_, decay_mask, init_adamw
+from astrai.tree import leaves, pytree, tree_map
+
+
+@attrs.frozen
+class StepOptions:
+    """Static settings of the train step.
+
+    Attributes:
+        max_grad_norm: global-norm clipping threshold (None or <= 0: no clipping; the norm is still reported).
+        neftune_alpha: NEFTune noise scale (0: off).
+        checkpoint_blocks: recompute each block in backward instead of storing its activations.
+        autocast_dtype: compute dtype under autocast (e.g. torch.bfloat16 on GPUs); None: params' dtype.
+        ce_chunk: rows per cross-entropy chunk.
+        label_smoothing: cross-entropy label smoothing.
+        moe_aux_loss_coef: weight of the MoE load-balancing loss (no effect on dense models).
+        compile: wrap the loss (forward + backward) in torch.compile.
+    """
+
+    max_grad_norm: float | None = 1.0
+    neftune_alpha: float = 0.0
+    checkpoint_blocks: bool = False
+    autocast_dtype: torch.dtype | None = None
+    ce_chunk: int = 4096
+    label_smoothing: float = 0.0
+    moe_aux_loss_coef: float = 0.01
+    compile: bool = True
+
+
+@pytree
+@attrs.frozen(eq=False)
+class TrainState:
+    """What the optimiser updates: the trainable tree (leaves require grad) and its AdamW state."""
+
+    trainable: Any
+    opt: AdamWState
+
+
+def lm_loss(
+    params: DecoderParams, batch: LMBatch, norm: Tensor, *, cfg: ModelConfig, opts: StepOptions
+) -> tuple[Tensor, Tensor]:
+    """(loss to backpropagate = (task sum + aux) / norm, detached task-loss sum) for one micro-batch."""
+    with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
+        embeds = None
+        if opts.neftune_alpha > 0:
+            embeds = embed(params.embed_tokens, batch.tokens)
+            scale = opts.neftune_alpha / math.sqrt(embeds.shape[1] * embeds.shape[2])
+            embeds = embeds + (torch.rand_like(embeds) * 2 - 1) * scale
+        h = hidden_states(
+            params,
+            cfg,
+            batch.tokens,
+            positions=batch.positions,
+            doc_ids=document_ids(batch.positions),
+            embeds=embeds,
+            checkpoint_blocks=opts.checkpoint_blocks,
+        )
+        h = rms_norm(params.norm, h, eps=cfg.rms_norm_eps)
+    bias = None if params.lm_head is None else params.lm_head.bias
+    task = chunked_cross_entropy(
+        h.reshape(-1, h.shape[-1]),
+        lm_head_weight(params),
+        batch.targets.reshape(-1),
+        batch.loss_mask.reshape(-1),
+        bias=bias,
+        chunk_size=opts.ce_chunk,
+        label_smoothing=opts.label_smoothing,
+    )
+    aux = h.new_zeros((), dtype=torch.float32)  # MoE hook: the layers' load-balancing loss goes here
+    return (task + opts.moe_aux_loss_coef * aux) / norm, task.detach()
+
+
+def _full_params(frozen: Any, trainable: Any) -> Any:
+    return trainable
+
+
+def init_train_state(trainable: Any, optim: AdamWConfig | None = None) -> TrainState:
+    """Detached leaves that require grad (fp32 master copies are the caller's choice) + fresh AdamW state."""
+    trainable = tree_map(lambda t: t.detach().requires_grad_(True), trainable)
+    return TrainState(trainable=trainable, opt=init_adamw(trainable, optim))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce_sum_(tensors: list[Tensor]) -> None:
+    """Sum `tensors` over data-parallel ranks in one flat bucket (in place)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+class TrainStep:
+    """Callable `(state, micro_batches, lr) -> metrics`: one optimiser step over a global batch.
+
+    Host code (never compiled itself); `lm_loss` inside it is. State is updated in place (AdamW on the leaves,
+    like `torch.optim`), so the caller keeps using the same `TrainState`.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        opts: StepOptions,
+        optim: AdamWConfig,
+        *,
+        trainable: Any,
+        frozen: Any = None,
+        to_params: Callable[[Any, Any], DecoderParams] = _full_params,
+    ) -> None:
+        self.cfg, self.opts, self.optim = cfg, opts, optim
+        self.frozen, self.to_params = frozen, to_params
+        self.decay = decay_mask(trainable)
+        loss = functools.partial(self._loss, cfg=cfg, opts=opts)
+        self.loss = torch.compile(loss) if opts.compile else loss
+
+    def _loss(self, trainable: Any, batch: LMBatch, norm: Tensor, *, cfg: ModelConfig, opts: StepOptions):
+        return lm_loss(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts)
+
+    def __call__(self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float) -> dict[str, Tensor]:
+        """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics."""
+        if not micro_batches:
+            raise ValueError("a train step needs at least one micro-batch")
+        device = micro_batches[0].tokens.device
+        tokens = torch.stack([mb.loss_mask.sum() for mb in micro_batches]).sum().float()
+        world = _world()
+        if world > 1:
+            dist.all_reduce(tokens)
+        norm = tokens.clamp(min=1.0)
+        total = torch.zeros((), device=device)
+        for mb in micro_batches:
+            loss, task_sum = self.loss(state.trainable, mb, norm)
+            loss.backward()
+            total += task_sum
+        params = leaves(state.trainable)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if world > 1:
+            _all_reduce_sum_([total, *grads])
+        grad_norm = clip_grad_norm_(grads, self.opts.max_grad_norm)
+        with torch.no_grad():
+            adamw_update_(state.trainable, grads, state.opt, lr=lr, cfg=self.optim, decay=self.decay)
+        for p in params:
+            p.grad = None
+        return {"loss": total / norm, "grad_norm": grad_norm, "tokens": tokens}

@@ -1,0 +1,48 @@
+"""Named training recipes for `astrai train RECIPE [--overrides]`: typed Python, no YAML.
+
+Each returns a complete `TrainConfig`; flags override any field (`astrai train sft-tiny --optim.lr 1e-3
+--data my_shards`). Data folders come from `astrai preprocess` (see docs/data.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from astrai.nn.lora import LoRAConfig
+from astrai.train.config import TrainConfig
+from astrai.train.optim import AdamWConfig
+from astrai.train.schedule import ScheduleConfig
+
+
+def pretrain_tiny() -> TrainConfig:
+    """Pretrain the ~1M-parameter `tiny` model on a preprocessed text corpus (a CPU smoke-scale run)."""
+    return TrainConfig(
+        data=Path("data/pretrain-tiny"), out_dir=Path("runs/pretrain-tiny"), model="tiny", seq_len=256,
+        batch_size=8, steps=200, optim=AdamWConfig(lr=1e-3, weight_decay=0.1),
+        schedule=ScheduleConfig(kind="cosine", warmup_steps=20), eval_every=50, save_every=100,
+    )  # fmt: skip
+
+
+def sft_tiny() -> TrainConfig:
+    """Supervised fine-tuning of the `tiny` model on packed chat rows (loss on assistant turns only)."""
+    return TrainConfig(
+        data=Path("data/sft-tiny"), out_dir=Path("runs/sft-tiny"), model="tiny", seq_len=256, batch_size=8,
+        steps=200, optim=AdamWConfig(lr=5e-4, weight_decay=0.0), schedule=ScheduleConfig(kind="cosine",
+        warmup_steps=10), val_fraction=0.05, eval_every=50, save_every=100,
+    )  # fmt: skip
+
+
+def sft_lora_tiny() -> TrainConfig:
+    """`sft-tiny` with LoRA adapters (r=16 on q/v projections) over a frozen base."""
+    return attrs.evolve(sft_tiny(), out_dir=Path("runs/sft-lora-tiny"), lora=LoRAConfig(),
+                        optim=AdamWConfig(lr=2e-3, weight_decay=0.0))  # fmt: skip
+
+
+RECIPES: dict[str, Callable[[], TrainConfig]] = {
+    "pretrain-tiny": pretrain_tiny,
+    "sft-tiny": sft_tiny,
+    "sft-lora-tiny": sft_lora_tiny,
+}

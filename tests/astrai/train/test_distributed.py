@@ -1,0 +1,35 @@
+"""Data parallel on CPU: 2 gloo processes under torchrun reproduce the 1-process run with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from astrai.io.model import load
+from astrai.train import loop
+from astrai.train.config import config_to_dict
+from astrai.train.metrics import read_metrics
+from astrai.tree import named_tensors
+from helpers import assert_close
+
+
+def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path):
+    base = attrs.evolve(train_cfg, steps=4, save_every=0, val_fraction=0.0, eval_every=0)
+    single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4))
+    cfg = attrs.evolve(base, out_dir=tmp_path / "ddp", batch_size=2)
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps(config_to_dict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           "-m", "astrai.cli.main", "train", str(path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ddp_losses = [r["loss"] for r in read_metrics(cfg.out_dir / "metrics.jsonl", kind="train")]
+    single_losses = [r["loss"] for r in read_metrics(tmp_path / "single" / "metrics.jsonl", kind="train")]
+    assert len(ddp_losses) == 4 and ddp_losses == pytest.approx(single_losses, abs=1e-5)
+    ddp, ref = named_tensors(load(cfg.out_dir / "model").params), named_tensors(load(single.model_dir).params)
+    for name in ref:
+        assert_close(ddp[name], ref[name], atol=1e-5, msg=name)
