@@ -21,10 +21,14 @@ def tiny(vocab_size: int = 512) -> ModelConfig:
 
 
 def chat_small(vocab_size: int = 100) -> ModelConfig:
-    """A ~5M-parameter llama-shaped model for the quickstart's character-level chat task (CPU minutes)."""
+    """A ~0.9M-parameter llama-shaped model for the quickstart's character-level chat task.
+
+    Sized for 2 CPU cores: it learns 2-digit addition to ~100% held-out accuracy in ~800 steps, where a 5M model
+    runs 4.5x fewer tokens/s and is still on its loss plateau when the 5-minute budget is spent.
+    """
     return ModelConfig(
-        model_type="llama", vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+        model_type="llama", vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
         tie_word_embeddings=True,
     )  # fmt: skip
 

@@ -37,7 +37,7 @@ class QuickstartSettings:
     """Train again even if out_dir/model exists."""
     model: str = "chat-small"
     """Named model config (configs/models.py)."""
-    steps: int = 400
+    steps: int = 800
     """Optimiser steps."""
     batch_size: int = 16
     """Packed rows per step."""
@@ -45,7 +45,7 @@ class QuickstartSettings:
     """Tokens per packed row."""
     lr: float = 3e-3
     """Peak learning rate (cosine schedule with warmup)."""
-    warmup_steps: int = 40
+    warmup_steps: int = 50
     """Linear warmup steps."""
     eval_size: int | None = None
     """Held-out problems to score (default: all of them)."""

@@ -33,7 +33,7 @@ from astrai.train.plot import loss_curve_png
 from astrai.train.progress import TrainProgress
 from astrai.train.schedule import lr_at
 from astrai.train.signals import StopRequest
-from astrai.train.step import StepOptions, TrainState, TrainStep, init_train_state, lm_loss
+from astrai.train.step import StepOptions, TrainState, TrainStep, init_train_state, is_packed, lm_loss
 from astrai.tree import from_named_tensors, named_tensors, to_device
 
 
@@ -163,7 +163,8 @@ class _Run:
         params = self.step_fn.to_params(self.step_fn.frozen, self.state.trainable)
         for batch in batches:
             batch = to_device(batch, self.device)
-            _, task_sum = lm_loss(params, batch, torch.ones((), device=self.device), cfg=self.model_cfg, opts=self.opts)
+            one = torch.ones((), device=self.device)
+            _, task_sum = lm_loss(params, batch, one, cfg=self.model_cfg, opts=self.opts, packed=is_packed(batch))
             total += task_sum
             count += batch.loss_mask.sum()
         if self.dist.world_size > 1:

@@ -74,10 +74,25 @@ class TrainState:
     opt: AdamWState
 
 
+def is_packed(batch: LMBatch) -> bool:
+    """Whether some row holds more than one document (host check; rows of one document skip the mask)."""
+    return bool((batch.positions[:, 1:] == 0).any())
+
+
 def lm_loss(
-    params: DecoderParams, batch: LMBatch, norm: Tensor, *, cfg: ModelConfig, opts: StepOptions
+    params: DecoderParams,
+    batch: LMBatch,
+    norm: Tensor,
+    *,
+    cfg: ModelConfig,
+    opts: StepOptions,
+    packed: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """(loss to backpropagate = (task sum + aux) / norm, detached task-loss sum) for one micro-batch."""
+    """(loss to backpropagate = (task sum + aux) / norm, detached task-loss sum) for one micro-batch.
+
+    `packed=False` promises one document per row (pretraining windows): attention takes the plain causal path
+    instead of building a document mask.
+    """
     with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
         embeds = None
         if opts.neftune_alpha > 0:
@@ -89,7 +104,7 @@ def lm_loss(
             cfg,
             batch.tokens,
             positions=batch.positions,
-            doc_ids=document_ids(batch.positions),
+            doc_ids=document_ids(batch.positions) if packed else None,
             embeds=embeds,
             checkpoint_blocks=opts.checkpoint_blocks,
         )
@@ -155,8 +170,9 @@ class TrainStep:
         loss = functools.partial(self._loss, cfg=cfg, opts=opts)
         self.loss = torch.compile(loss) if opts.compile else loss
 
-    def _loss(self, trainable: Any, batch: LMBatch, norm: Tensor, *, cfg: ModelConfig, opts: StepOptions):
-        return lm_loss(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts)
+    def _loss(self, trainable: Any, batch: LMBatch, norm: Tensor, packed: bool, *, cfg: ModelConfig,
+              opts: StepOptions):  # fmt: skip
+        return lm_loss(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed)
 
     def __call__(self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float) -> dict[str, Tensor]:
         """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics."""
@@ -170,7 +186,7 @@ class TrainStep:
         norm = tokens.clamp(min=1.0)
         total = torch.zeros((), device=device)
         for mb in micro_batches:
-            loss, task_sum = self.loss(state.trainable, mb, norm)
+            loss, task_sum = self.loss(state.trainable, mb, norm, is_packed(mb))
             loss.backward()
             total += task_sum
         params = leaves(state.trainable)

@@ -11,7 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py", "bench_train.py"]
+)
 def test_smoke_mode_reports_json(script, tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -23,8 +25,28 @@ def test_smoke_mode_reports_json(script, tmp_path):
     assert report == json.loads((tmp_path / "out.json").read_text())
     if "rows" in report:  # kernel smokes compare against their references
         assert report["rows"] and all(row["ok"] for row in report["rows"])
+    elif report.get("benchmark") == "bench_train":  # the three steps agreed on the losses and all were measured
+        assert all(r["tok_s"] > 0 for r in report["results"]) and len(report["results"]) == 3
+        ref = report["losses"]["astrai"]
+        assert all(losses == pytest.approx(ref, rel=1e-4) for losses in report["losses"].values())
+        assert report["goal"]["memory_ratio"] is not None and report["results"][0]["step_peak_mib"] > 0
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work
         assert report["single"]["engine_tok_s"] > 0 and report["batch"][0]["engine_tok_s"] > 0
         assert report["prefix"]["on"]["prefill_tokens"] < report["prefix"]["off"]["prefill_tokens"]
+
+
+def test_serve_smoke_reports_json(tmp_path):
+    """bench_serve: the HTTP run (client in its own process) and the engine run both produced every token."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--smoke", "--out", str(tmp_path / "out.json")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "out.json").read_text())
+    expected = report["requests"] * report["new_tokens"]
+    assert [(r["errors"], r["tokens"]) for r in report["results"]] == [(0, expected)] * 2
+    assert report["client"] == "separate process" and all(r["output_tok_s"] > 0 for r in report["results"])

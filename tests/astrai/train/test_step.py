@@ -9,7 +9,7 @@ from astrai.io.hf import astrai_to_hf_name
 from astrai.io.model import load
 from astrai.models.decoder import init_params
 from astrai.train.optim import AdamWConfig
-from astrai.train.step import StepOptions, TrainStep, init_train_state, lm_loss
+from astrai.train.step import StepOptions, TrainStep, init_train_state, is_packed, lm_loss
 from astrai.tree import named_tensors
 from configs.models import tiny
 from helpers import assert_close, save_hf, tiny_hf_model
@@ -127,3 +127,37 @@ def test_compiled_step_matches_eager():
     assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
     for name in eager:
         assert_close(compiled[name], eager[name], atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_compiled_step_matches_cpu(precision):
+    """On a GPU: Triton rotary (with its registered backward), CUDA SDPA with the document mask, the chunked-CE
+    custom ops and fused AdamW, compiled, against the eager CPU step."""
+    cfg = tiny(vocab_size=61)
+    positions = torch.cat([torch.arange(9), torch.arange(7)]).repeat(2, 1)  # two packed documents per row
+    batch = _batch(2, 16, 61, seed=11, positions=positions)
+    cpu_losses, cpu_params = _run([batch], compile=False, steps=3)
+    autocast = torch.bfloat16 if precision == "bf16" else None
+    step = TrainStep(cfg, StepOptions(compile=True, autocast_dtype=autocast), SMOOTH,
+                     trainable=init_params(cfg, seed=2, device="cuda"))  # fmt: skip
+    state = init_train_state(init_params(cfg, seed=2, device="cuda"), SMOOTH)
+    cuda_batch = LMBatch(*(getattr(batch, f).cuda() for f in ("tokens", "targets", "loss_mask", "positions")))
+    losses = [step(state, [cuda_batch], SMOOTH.lr)["loss"].item() for _ in range(3)]
+    tol = 1e-3 if precision == "fp32" else 3e-2
+    assert losses == pytest.approx(cpu_losses, abs=tol * 10)
+    for name, value in named_tensors(state.trainable).items():
+        assert_close(value.cpu(), cpu_params[name], atol=tol, msg=name)
+
+
+def test_rows_of_one_document_skip_the_mask_with_the_same_loss():
+    cfg = tiny(vocab_size=61)
+    params = init_params(cfg, seed=4)
+    batch = _batch(2, 12, 61, seed=3)
+    opts = StepOptions(compile=False)
+    one = torch.ones(())
+    assert not is_packed(batch)
+    masked = lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=True)[1]
+    assert_close(lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=False)[1], masked, atol=1e-5)
+    batch.positions[1, 5:] = torch.arange(7)
+    assert is_packed(batch)
