@@ -3,20 +3,7 @@
 # the cuda_ref build and tests, and the kernel benchmarks. Logs and JSON go to ${OUT:-benchmarks/results}.
 # Stages are independent: a failure in one does not skip the others. Exit status: number of failed stages.
 set -u
-out=${OUT:-benchmarks/results}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_DEFAULT_FP_FUSION=1
-py=${PYTHON:-python3}
-failed=0
-stage() {  # stage NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  tail -n 25 "$out/$name.log"
-  echo "=== $name rc=$rc"
-  [ "$rc" -eq 0 ] || failed=$((failed + 1))
-}
+source "$(dirname "$0")/_gpu_stage.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 # Kernel tests compiled: one autotune config per shape (tuning every test shape would dominate the time), fp16/bf16
