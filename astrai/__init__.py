@@ -3,6 +3,8 @@
 Models are pure functions over attrs parameter trees; see SPEC §1 for the public API.
 """
 
+from astrai.api import embed as embed
+from astrai.api import embed_ids as embed_ids
 from astrai.api import forward as forward
 from astrai.inference.generate import generate as generate
 from astrai.inference.generate import generate_ids as generate_ids

@@ -57,10 +57,13 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[family]
     kwargs = {**TINY, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **overrides}
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         kwargs.setdefault("sliding_window", None)
     config = config_cls(**kwargs)
     config._attn_implementation = "eager"

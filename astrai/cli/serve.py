@@ -1,12 +1,14 @@
 """`astrai serve --model DIR`: an OpenAI- and Anthropic-compatible HTTP server on uvicorn.
 
 Binds 127.0.0.1 by default. SIGINT/SIGTERM stop accepting connections, let in-flight requests finish for up to
-`--graceful-timeout` seconds, then end the rest (finish_reason "abort") and free their KV.
+`--graceful-timeout` seconds, then end the rest (finish_reason "abort") and free their KV. `--embeddings` also
+serves `POST /v1/embeddings` (`--embed-pooling mean|cls|last`, `--no-embed-normalize`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import attrs
 import tyro
@@ -46,6 +48,12 @@ class ServeConfig:
     """torch.compile the decode step (first requests wait for the compile)."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
+    embeddings: bool = False
+    """Also serve POST /v1/embeddings: the model's blocks run bidirectionally, pooled per input."""
+    embed_pooling: Literal["mean", "cls", "last"] = "mean"
+    """Embedding pooling: mean of all tokens, the first token (cls) or the last token."""
+    embed_normalize: bool = True
+    """L2-normalise embeddings (cosine similarity becomes a dot product)."""
 
 
 def main(cfg: ServeConfig) -> None:
@@ -53,6 +61,7 @@ def main(cfg: ServeConfig) -> None:
     import uvicorn
 
     from astrai.inference.engine import Engine, EngineConfig
+    from astrai.models.encoder import EncoderConfig
     from astrai.serve.app import build_app
     from astrai.serve.server import GracefulServer
 
@@ -61,8 +70,11 @@ def main(cfg: ServeConfig) -> None:
                                         kv_budget_tokens=cfg.kv_budget, page_size=cfg.page_size,
                                         compile=cfg.compile))  # fmt: skip
     name = cfg.served_model_name or cfg.model.resolve().name
-    app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
-    console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{cfg.port}/v1  (OpenAI and Anthropic APIs)")
+    embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
+    app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                    embeddings=embeddings)  # fmt: skip
+    extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""
+    console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{cfg.port}/v1  (OpenAI and Anthropic APIs{extra})")
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout,
                             log_level="info")  # fmt: skip
     GracefulServer(config, engine).run()

@@ -2,7 +2,8 @@
 
 Loading reads `config.json`, then tensors from `model.safetensors` or the shards named by
 `model.safetensors.index.json`, one tensor at a time (memory-mapped; each is cast and moved before the next is
-read, so peak memory is the final model plus one tensor). Every problem raises `CheckpointError` naming the
+read, so peak memory is the final model plus one tensor; MoE experts stored one tensor per expert are stacked
+into one [E, ...] tensor per layer, see `hf_parts`). Every problem raises `CheckpointError` naming the
 file and tensor: missing config, unsupported family, missing/unexpected/mis-shaped tensors, corrupt files.
 
 Saving writes `config.json`, `model.safetensors` (HF names, loadable by transformers) and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.io.errors import CheckpointError
-from astrai.io.hf import IGNORED_HF_TENSORS, astrai_to_hf_name, config_from_hf, config_to_hf, hf_to_astrai_name
+from astrai.io.hf import IGNORED_HF_TENSORS, astrai_to_hf_name, config_from_hf, config_to_hf, expert_hf_names
 from astrai.models.config import DTYPES, ModelConfig
 from astrai.models.decoder import DecoderParams, init_params_meta
 from astrai.tree import from_named_tensors, named_tensors
@@ -99,12 +101,18 @@ def _expected_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in named_tensors(init_params_meta(cfg)).items()}
 
 
+def hf_parts(name: str, cfg: ModelConfig) -> tuple[list[str], bool]:
+    """(HF tensor names making up parameter `name`, whether they are stacked on a new leading expert axis)."""
+    experts = expert_hf_names(name, cfg)
+    return ([astrai_to_hf_name(name, cfg.model_type)], False) if experts is None else (experts, True)
+
+
 def _check_unexpected(files: dict[str, Path], expected: dict[str, tuple[int, ...]], cfg: ModelConfig) -> None:
+    known = {part for name in expected for part in hf_parts(name, cfg)[0]}
     for hf_name, file in files.items():
         if IGNORED_HF_TENSORS.fullmatch(hf_name) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
             continue
-        name = hf_to_astrai_name(hf_name)
-        if name is None or name not in expected:
+        if hf_name not in known:
             raise CheckpointError(
                 f"{file}: unexpected tensor {hf_name!r} for a {cfg.model_type} model with this config"
             )
@@ -136,17 +144,30 @@ def load_params(
     tensors: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
-        for name, shape in expected.items():
-            hf_name = astrai_to_hf_name(name)
+
+        def read(hf_name: str, name: str) -> tuple[torch.Tensor, Path]:
             file = files.get(hf_name)
             if file is None:
                 raise CheckpointError(f"{folder}: tensor {hf_name!r} (parameter {name}) is missing")
             if file not in handles:
                 handles[file] = stack.enter_context(_open(file))
             try:
-                tensor = handles[file].get_tensor(hf_name)
+                return handles[file].get_tensor(hf_name), file
             except SafetensorError as err:
                 raise CheckpointError(f"{file}: cannot read tensor {hf_name!r} ({err})") from None
+
+        for name, shape in expected.items():
+            parts, stacked = hf_parts(name, cfg)
+            read_parts = [read(part, name) for part in parts]
+            hf_name, file = parts[0], read_parts[0][1]
+            if stacked:  # per-expert HF tensors -> one [E, ...] tensor (MoE)
+                shapes = {tuple(t.shape) for t, _ in read_parts}
+                if len(shapes) > 1:
+                    raise CheckpointError(f"{file}: experts of {name} have different shapes {sorted(shapes)}")
+                tensor = torch.stack([t for t, _ in read_parts])
+                hf_name = re.sub(r"experts\.0\.", "experts.*.", hf_name)
+            else:
+                tensor = read_parts[0][0]
             if tuple(tensor.shape) != shape:
                 raise CheckpointError(
                     f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config expects {shape}"
@@ -203,5 +224,9 @@ def save_params(folder: Path, cfg: ModelConfig, params: DecoderParams) -> None:
     """Write `config.json` and `model.safetensors` (HF names) into an existing folder."""
     dtype_name = next((n for n, d in DTYPES.items() if d == params.embed_tokens.weight.dtype), cfg.dtype)
     write_json(folder / "config.json", config_to_hf(attrs.evolve(cfg, dtype=dtype_name)))
-    tensors = {astrai_to_hf_name(n): t.detach().contiguous().cpu() for n, t in named_tensors(params).items()}
+    tensors = {}
+    for name, tensor in named_tensors(params).items():
+        parts, stacked = hf_parts(name, cfg)
+        pieces = tensor.unbind(0) if stacked else (tensor,)  # MoE: one HF tensor per expert
+        tensors.update({part: t.detach().contiguous().cpu() for part, t in zip(parts, pieces, strict=True)})
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})

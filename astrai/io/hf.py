@@ -1,10 +1,13 @@
 """Hugging Face interop: `config.json` <-> `ModelConfig` and HF tensor names <-> astrai tree names.
 
-Supported `model_type`s: llama, mistral, qwen2, qwen3. Family quirks handled here so the decoder stays
+Supported `model_type`s: llama, mistral, qwen2, qwen3 and the MoE families qwen2_moe, qwen3_moe, mixtral.
+Family quirks handled here so the decoder stays
 family-agnostic: qwen2 always has q/k/v bias and no o_proj bias; llama/qwen3 `attention_bias` covers q/k/v/o;
 qwen3 has qk-norm; mistral slides every layer; qwen2/qwen3 slide layers >= `max_window_layers` when
 `use_sliding_window`. Both the transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`)
-spellings of RoPE settings are read; both are written.
+spellings of RoPE settings are read; both are written. MoE experts are stored stacked ([E, F, D]) in astrai and
+per expert in HF files (`mlp.experts.j.gate_proj.weight`, mixtral `block_sparse_moe.experts.j.w1.weight`):
+`expert_hf_names` lists the per-expert names that `io/checkpoint.py` stacks on load and splits on save.
 
 Unsupported settings raise `UnsupportedModelError` naming the field instead of being silently ignored.
 """
@@ -17,7 +20,7 @@ from typing import Any
 import cattrs
 
 from astrai.io.errors import UnsupportedModelError
-from astrai.models.config import DTYPES, ModelConfig
+from astrai.models.config import DTYPES, ModelConfig, MoEConfig
 from astrai.nn.rope import ROPE_TYPES, RopeConfig
 
 ARCHITECTURES = {
@@ -25,13 +28,22 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 # transformers' defaults for keys a config.json may omit.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4}
+    | {"moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_experts": 128, "num_experts_per_tok": 8}
+    | {"moe_intermediate_size": 768},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -76,6 +88,10 @@ def _layer_types(d: dict[str, Any], family: str, window: int | None) -> tuple[st
 def _window(d: dict[str, Any], family: str) -> int | None:
     if family == "mistral":
         return d.get("sliding_window", _FAMILY_DEFAULTS["mistral"]["sliding_window"])
+    if family == "mixtral":
+        return d.get("sliding_window")
+    if family in ("qwen2_moe", "qwen3_moe") and d.get("use_sliding_window"):
+        raise UnsupportedModelError(f"use_sliding_window is not supported for {family}")
     if family in ("qwen2", "qwen3") and d.get("use_sliding_window"):
         return d.get("sliding_window", 4096)
     return None
@@ -112,7 +128,8 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
     except (cattrs.BaseValidationError, TypeError, ValueError) as err:
         raise UnsupportedModelError(f"{source}: rope settings: {_describe(err)}") from None
     window = _window(d, family)
-    bias = bool(d.get("attention_bias", False))
+    bias = bool(d.get("qkv_bias", True) if family == "qwen2_moe" else d.get("attention_bias", False))
+    moe = _moe_from_hf(d, family, source)
     flat = {
         "model_type": family,
         "vocab_size": d["vocab_size"],
@@ -127,9 +144,11 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
         "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
         "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
         "attention_bias": True if family == "qwen2" else bias,
-        "attention_out_bias": False if family in ("qwen2", "mistral") else bias,
+        "attention_out_bias": False if family in ("qwen2", "mistral", "qwen2_moe", "mixtral") else bias,
         "mlp_bias": bool(d.get("mlp_bias", False)) if family == "llama" else False,
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
+        "ffn_type": "mlp" if moe is None else "moe",
+        "moe": None if moe is None else _converter.unstructure(moe),
         "sliding_window": window,
         "layer_types": _layer_types(d, family, window),
         "dtype": _dtype_name(d.get("dtype") or d.get("torch_dtype") or "float32", source),
@@ -144,6 +163,88 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
     except cattrs.BaseValidationError as err:
         raise ValueError(f"{source}: {_describe(err)}") from None
     return cfg
+
+
+def _moe_from_hf(d: dict[str, Any], family: str, source: str) -> MoEConfig | None:
+    """The MoEConfig of a qwen2_moe / qwen3_moe / mixtral config.json (None for dense families)."""
+    if family not in MOE_FAMILIES:
+        return None
+    defaults = _FAMILY_DEFAULTS[family]
+    k = d.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+    coef = d.get("router_aux_loss_coef", 0.001)
+    if family == "mixtral":
+        if d.get("router_jitter_noise"):
+            raise UnsupportedModelError(f"{source}: router_jitter_noise={d['router_jitter_noise']} is not supported")
+        experts = d.get("num_local_experts", defaults["num_local_experts"])
+        return MoEConfig(
+            num_experts=experts,
+            num_experts_per_tok=k,
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,
+            router_aux_loss_coef=coef,
+        )
+    experts = d.get("num_experts", d.get("num_local_experts", defaults["num_experts"]))
+    if not experts:
+        return None  # transformers builds dense MLPs everywhere when num_experts == 0
+    shared = d.get("shared_expert_intermediate_size", defaults.get("shared_expert_intermediate_size", 0))
+    return MoEConfig(
+        num_experts=experts,
+        num_experts_per_tok=k,
+        moe_intermediate_size=d.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared if family == "qwen2_moe" else 0,
+        shared_expert_gate=family == "qwen2_moe",
+        decoder_sparse_step=d.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=coef,
+    )
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json MoE keys of `cfg`; raises UnsupportedModelError for settings the family cannot express."""
+    moe = cfg.moe
+    if moe is None or cfg.ffn_type != "moe":
+        raise UnsupportedModelError(f"a {cfg.model_type} config.json needs ffn_type='moe' and a MoEConfig")
+    family_shared = cfg.model_type == "qwen2_moe"
+    fixed = {
+        "scoring": "softmax",
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "e_score_correction_bias": False,
+        "first_k_dense_replace": 0,
+        "shared_expert_gate": family_shared,
+    }
+    if cfg.model_type == "mixtral":
+        fixed |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": (), "shared_expert_gate": False}
+        fixed["shared_expert_intermediate_size"] = 0
+    elif not family_shared:
+        fixed["shared_expert_intermediate_size"] = 0
+    wrong = [f"{key}={getattr(moe, key)!r}" for key, value in fixed.items() if getattr(moe, key) != value]
+    if cfg.model_type != "mixtral" and cfg.sliding_window is not None:
+        wrong.append(f"sliding_window={cfg.sliding_window}")
+    if family_shared and moe.shared_expert_intermediate_size <= 0:
+        wrong.append("shared_expert_intermediate_size=0")
+    if wrong:
+        raise UnsupportedModelError(f"{cfg.model_type} cannot express MoE settings {', '.join(wrong)}")
+    d: dict[str, Any] = {
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "router_aux_loss_coef": moe.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+    if cfg.model_type != "mixtral":
+        d["use_sliding_window"] = False
+    if cfg.model_type == "mixtral":
+        return d | {"num_local_experts": moe.num_experts, "intermediate_size": moe.moe_intermediate_size}
+    d |= {
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": moe.decoder_sparse_step,
+        "mlp_only_layers": list(moe.mlp_only_layers),
+    }
+    if family_shared:
+        d |= {"shared_expert_intermediate_size": moe.shared_expert_intermediate_size, "qkv_bias": cfg.attention_bias}
+    return d
 
 
 def _dtype_name(value: str, source: str) -> str:
@@ -204,12 +305,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "pad_token_id": cfg.pad_token_id,
         "use_cache": True,
     }
-    if cfg.model_type in ("llama", "qwen3"):
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe"):
         d["attention_bias"] = cfg.attention_bias
     if cfg.model_type == "llama":
         d["mlp_bias"] = cfg.mlp_bias
-    if cfg.model_type == "mistral" or cfg.sliding_window is None:
+    if cfg.model_type in ("mistral", "mixtral") or cfg.sliding_window is None:
         d["sliding_window"] = cfg.sliding_window
+    if cfg.model_type in MOE_FAMILIES:
+        d |= _moe_to_hf(cfg)
     if cfg.model_type in ("qwen2", "qwen3"):
         d["use_sliding_window"] = cfg.sliding_window is not None
         d["max_window_layers"] = cfg.num_hidden_layers
@@ -222,6 +325,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 # (HF regex, astrai template) pairs; layer index is group 1.
 _NAME_RULES: tuple[tuple[str, str], ...] = (
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", "blocks.{0}.mlp.experts.{2}"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(\w+)\.(weight)", "blocks.{0}.mlp.shared_experts.{1}.{2}"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blocks.{0}.mlp.e_score_correction_bias"),
     (r"model\.embed_tokens\.(weight)", "embed_tokens.{0}"),
     (r"model\.norm\.(weight)", "norm.{0}"),
     (r"lm_head\.(weight|bias)", "lm_head.{0}"),
@@ -231,6 +337,8 @@ _NAME_RULES: tuple[tuple[str, str], ...] = (
     (r"model\.layers\.(\d+)\.mlp\.(\w+)\.(weight|bias)", "blocks.{0}.mlp.{1}.{2}"),
 )
 _REVERSE_RULES: tuple[tuple[str, str], ...] = (
+    (r"blocks\.(\d+)\.mlp\.shared_experts\.(\w+)\.(weight)", "model.layers.{0}.mlp.shared_expert.{1}.{2}"),
+    (r"blocks\.(\d+)\.mlp\.e_score_correction_bias", "model.layers.{0}.mlp.gate.e_score_correction_bias"),
     (r"embed_tokens\.(weight)", "model.embed_tokens.{0}"),
     (r"norm\.(weight)", "model.norm.{0}"),
     (r"lm_head\.(weight|bias)", "lm_head.{0}"),
@@ -251,14 +359,42 @@ def _apply_rules(name: str, rules: tuple[tuple[str, str], ...]) -> str | None:
     return None
 
 
+# mixtral spells its MoE block `block_sparse_moe` and its expert projections w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_HF = {v: k for k, v in _MIXTRAL_EXPERT.items()}
+
+
 def hf_to_astrai_name(name: str) -> str | None:
-    """The astrai tree name of an HF tensor name, or None when it is not a decoder parameter."""
+    """The astrai tree name of an HF tensor name, or None when it is not a decoder parameter.
+
+    Per-expert HF tensors map to the stacked astrai tensor they are part of (`blocks.0.mlp.experts.gate_proj`).
+    """
+    mixtral = re.fullmatch(r"(model\.layers\.\d+\.)block_sparse_moe\.(experts\.\d+\.)?(\w+)\.(weight)", name)
+    if mixtral:
+        layer, expert, proj, suffix = mixtral.groups()
+        name = f"{layer}mlp.{expert or ''}{_MIXTRAL_EXPERT.get(proj, proj) if expert else proj}.{suffix}"
     return _apply_rules(name, _NAME_RULES)
 
 
-def astrai_to_hf_name(name: str) -> str:
-    """The HF tensor name of an astrai tree name."""
+def astrai_to_hf_name(name: str, model_type: str | None = None) -> str:
+    """The HF tensor name of an astrai tree name (`model_type` picks family spellings such as mixtral's)."""
     out = _apply_rules(name, _REVERSE_RULES)
     if out is None:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    if model_type == "mixtral":
+        out = re.sub(r"^(model\.layers\.\d+\.)mlp\.", r"\1block_sparse_moe.", out)
     return out
+
+
+def expert_hf_names(name: str, cfg: ModelConfig) -> list[str] | None:
+    """The per-expert HF names stacked into astrai tensor `name` (expert order), or None if it is not stacked."""
+    match = re.fullmatch(r"blocks\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", name)
+    if match is None or cfg.moe is None:
+        return None
+    layer, proj = match.groups()
+    if cfg.model_type == "mixtral":
+        return [
+            f"model.layers.{layer}.block_sparse_moe.experts.{j}.{_MIXTRAL_HF[proj]}.weight"
+            for j in range(cfg.moe.num_experts)
+        ]
+    return [f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight" for j in range(cfg.moe.num_experts)]

@@ -1,8 +1,8 @@
 """Static model hyperparameters: `ModelConfig` and `RopeConfig` (attrs frozen, hashable).
 
-One config describes every decoder family astrai runs (llama, mistral, qwen2, qwen3 today). Family quirks are
-plain switches (`attention_bias`, `qk_norm`, `sliding_window`, ...) so the single decoder in
-`models/decoder.py` needs no per-family code. Attention and FFN kinds are explicit (`attn_type`,
+One config describes every decoder family astrai runs (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe,
+mixtral). Family quirks are plain switches (`attention_bias`, `qk_norm`, `sliding_window`, ...) so the single
+decoder in `models/decoder.py` needs no per-family code. Attention and FFN kinds are explicit (`attn_type`,
 `ffn_type`) so MLA and MoE can arrive as new values with their own nested configs, without a redesign.
 
 HF `config.json` <-> ModelConfig conversion lives in `astrai/io/hf.py`.
@@ -15,7 +15,10 @@ from typing import Literal
 import attrs
 import torch
 
+from astrai.nn.moe import MoEConfig, check_moe_config
 from astrai.nn.rope import ROPE_TYPES, RopeConfig
+
+__all__ = ["DTYPES", "ModelConfig", "MoEConfig", "RopeConfig", "check_config"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,8 +65,10 @@ class ModelConfig:
     """Per-layer "full_attention" / "sliding_attention"; None means every layer slides when a window is set."""
     attn_type: Literal["gqa"] = "gqa"
     """Attention kind ("mla" arrives with DeepSeek support)."""
-    ffn_type: Literal["mlp"] = "mlp"
-    """FFN kind ("moe" arrives with MoE support)."""
+    ffn_type: Literal["mlp", "moe"] = "mlp"
+    """FFN kind: dense SwiGLU everywhere, or MoE on the layers `moe` makes sparse (`layer_is_moe`)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts settings (required when ffn_type is "moe")."""
     hidden_act: Literal["silu"] = "silu"
     """Gate activation of the SwiGLU MLP."""
     dtype: str = "float32"
@@ -86,6 +91,10 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         """Query heads per KV head (the GQA group size G)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s FFN is the MoE block (else the dense MLP of width `intermediate_size`)."""
+        return self.ffn_type == "moe" and self.moe is not None and self.moe.is_sparse(layer)
 
     def layer_window(self, layer: int) -> int:
         """Sliding window of `layer` in tokens, or 0 for full attention."""
@@ -114,5 +123,11 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.rope.rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {cfg.rope.rope_type!r}")
+    if cfg.ffn_type not in ("mlp", "moe"):
+        raise ValueError(f"ModelConfig.ffn_type must be 'mlp' or 'moe', got {cfg.ffn_type!r}")
+    if cfg.ffn_type == "moe":
+        if cfg.moe is None:
+            raise ValueError("ModelConfig.ffn_type is 'moe' but ModelConfig.moe is None")
+        check_moe_config(cfg.moe)
     if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
         raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")

@@ -1,4 +1,4 @@
-"""One functional decoder LM for every family (llama, mistral, qwen2, qwen3) via `ModelConfig` switches.
+"""One functional decoder LM for every family (llama, mistral, qwen2, qwen3, their MoE kin) via `ModelConfig` switches.
 
 Notable features:
 - Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)); final norm; LM head (tied or untied).
@@ -6,8 +6,10 @@ Notable features:
   over a paged `KVCache` described by `AttnMeta`); only the metadata differs.
 - `logits_positions` runs the final norm and LM head only on the rows that will be sampled.
 - Logits are float32 whatever the parameter dtype (sampling and losses want fp32).
+- MoE: a block's FFN is `MoEParams` where `cfg.layer_is_moe(layer)` (else the dense MLP); `hidden_states`
+  can return the summed MoE aux tree for the load-balancing loss.
 
-Not here: MLA and MoE (future `attn_type` / `ffn_type` values), the embedding encoder.
+Not here: MLA (a future `attn_type`), the embedding encoder.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from astrai.nn.attention import AttentionParams, AttentionShape, attention, init
 from astrai.nn.embedding import EmbeddingParams, embed, init_embedding
 from astrai.nn.linear import LinearParams, init_linear
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
+from astrai.nn.moe import MoEAux, MoEConfig, MoEParams, add_aux, init_moe, moe
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.nn.rope import rope_cos_sin
 from astrai.ops.attention import AttnMeta, KVCache
@@ -37,7 +40,7 @@ class BlockParams:
     attn_norm: RMSNormParams
     attn: AttentionParams
     mlp_norm: RMSNormParams
-    mlp: MLPParams
+    mlp: MLPParams | MoEParams  # MoEParams on the layers where cfg.layer_is_moe(layer)
 
 
 @pytree
@@ -63,6 +66,15 @@ def attention_shape(cfg: ModelConfig, layer: int) -> AttentionShape:
     )
 
 
+def _init_ffn(
+    cfg: ModelConfig, layer: int, std: float, out_std: float, generator: torch.Generator | None
+) -> MLPParams | MoEParams:
+    kw = dict(std=std, out_std=out_std, generator=generator, dtype=cfg.torch_dtype)
+    if cfg.layer_is_moe(layer):
+        return init_moe(cfg.hidden_size, cfg.moe, **kw)
+    return init_mlp(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, **kw)
+
+
 def _build(cfg: ModelConfig, generator: torch.Generator | None) -> DecoderParams:
     dtype, std = cfg.torch_dtype, cfg.initializer_range
     out_std = std / (2 * cfg.num_hidden_layers) ** 0.5  # residual-output projections (GPT-2 scheme)
@@ -81,15 +93,7 @@ def _build(cfg: ModelConfig, generator: torch.Generator | None) -> DecoderParams
                 dtype=dtype,
             ),
             mlp_norm=init_rms_norm(cfg.hidden_size, dtype=dtype),
-            mlp=init_mlp(
-                cfg.hidden_size,
-                cfg.intermediate_size,
-                bias=cfg.mlp_bias,
-                std=std,
-                out_std=out_std,
-                generator=generator,
-                dtype=dtype,
-            ),
+            mlp=_init_ffn(cfg, layer, std, out_std, generator),
         )
         for layer in range(cfg.num_hidden_layers)
     )
@@ -141,11 +145,20 @@ def _block(
     meta: AttnMeta | None,
     kv: tuple[Tensor, Tensor] | None,
     doc_ids: Tensor | None,
-) -> Tensor:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    moe_cfg: MoEConfig | None = None,
+    with_aux: bool = False,
+) -> tuple[Tensor, MoEAux | None]:
+    """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); also the MoE aux tree (None for a dense FFN)."""
     h = rms_norm(block.attn_norm, x, eps=eps)
-    x = x + attention(block.attn, h, cos, sin, shape=shape, meta=meta, kv=kv, doc_ids=doc_ids)
-    return x + mlp(block.mlp, rms_norm(block.mlp_norm, x, eps=eps))
+    x = x + attention(block.attn, h, cos, sin, shape=shape, meta=meta, kv=kv, doc_ids=doc_ids, causal=causal,
+                      key_padding_mask=key_padding_mask)  # fmt: skip
+    h = rms_norm(block.mlp_norm, x, eps=eps)
+    if isinstance(block.mlp, MoEParams):
+        y, aux = moe(block.mlp, h, cfg=moe_cfg, with_aux=with_aux)
+        return x + y, aux
+    return x + mlp(block.mlp, h), None
 
 
 def hidden_states(
@@ -159,12 +172,19 @@ def hidden_states(
     doc_ids: Tensor | None = None,
     embeds: Tensor | None = None,
     checkpoint_blocks: bool = False,
-) -> Tensor:
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    return_aux: bool = False,
+) -> Tensor | tuple[Tensor, MoEAux | None]:
     """The residual stream after the last block (before the final norm); same leading shape as `tokens`.
+
+    `return_aux=True` returns `(x, aux)`: the MoE layers' load-balancing sums and router statistics
+    (`astrai.nn.moe.MoEAux`, summed over layers), or None for a model without MoE layers.
 
     Training extras (dense mode): `doc_ids` keeps attention inside each packed document, `embeds` replaces the
     embedding lookup (NEFTune adds noise to it), `checkpoint_blocks` recomputes each block in backward
-    (activation checkpointing: stores only the block inputs).
+    (activation checkpointing: stores only the block inputs). Encoder extras (dense mode): `causal=False` runs
+    the blocks bidirectionally and `key_padding_mask` ([B, T] bool, True for real tokens) hides padded keys.
     """
     if (meta is None) != (cache is None):
         raise ValueError("pass meta and cache together (paged mode) or neither (dense mode)")
@@ -174,6 +194,8 @@ def hidden_states(
         raise ValueError(f"paged mode expects flattened tokens [T], got shape {tuple(tokens.shape)}")
     if cache is not None and doc_ids is not None:
         raise ValueError("doc_ids is for dense (training) mode; paged requests are already separate")
+    if cache is not None and (not causal or key_padding_mask is not None):
+        raise ValueError("causal=False and key_padding_mask are for dense mode (no KV cache)")
     cos, sin = rope_cos_sin(
         _positions(tokens, positions, meta),
         rope=cfg.rope,
@@ -181,14 +203,17 @@ def hidden_states(
         max_position_embeddings=cfg.max_position_embeddings,
     )
     x = embed(params.embed_tokens, tokens) if embeds is None else embeds
+    aux = None
     for layer, block in enumerate(params.blocks):
         kv = None if cache is None else (cache.k[layer], cache.v[layer])
-        args = (block, x, cos, sin, attention_shape(cfg, layer), cfg.rms_norm_eps, meta, kv, doc_ids)
+        args = (block, x, cos, sin, attention_shape(cfg, layer), cfg.rms_norm_eps, meta, kv, doc_ids, causal,
+                key_padding_mask, cfg.moe, return_aux)  # fmt: skip
         if checkpoint_blocks:
-            x = torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
+            x, layer_aux = torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
         else:
-            x = _block(*args)
-    return x
+            x, layer_aux = _block(*args)
+        aux = add_aux(aux, layer_aux)
+    return (x, aux) if return_aux else x
 
 
 def lm_head_weight(params: DecoderParams) -> Tensor:

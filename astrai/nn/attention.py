@@ -87,6 +87,8 @@ def attention(
     meta: AttnMeta | None = None,
     kv: tuple[Tensor, Tensor] | None = None,
     doc_ids: Tensor | None = None,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Self-attention.
 
@@ -98,6 +100,8 @@ def attention(
         meta: paged-step metadata; required with `kv`.
         kv: (k_cache, v_cache) pool tensors [S, K, D] of this layer, written in place.
         doc_ids: dense mode only, [B, T] document index per token (packed rows: no attention across documents).
+        causal: dense mode only; False attends to every (unpadded) key, as embedding encoders do.
+        key_padding_mask: dense mode only, [B, T] bool, True for real tokens; padded keys are never attended.
 
     Returns:
         Same leading shape as `x`, last dim E.
@@ -120,6 +124,8 @@ def attention(
             scale=shape.scale,
             window=shape.window,
             doc_ids=doc_ids,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
         )
     else:
         if meta is None:

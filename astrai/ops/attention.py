@@ -1,4 +1,4 @@
-"""Attention: dense causal (training, no cache) and paged (prefill/extend and decode over the KV pool).
+"""Attention: dense (causal or bidirectional, no cache) and paged (prefill/extend and decode over the KV pool).
 
 `AttnMeta` is the explicit batch metadata tree of a paged step; `KVCache` holds the per-layer pool tensors.
 Dense attention always runs torch SDPA (flash/efficient kernels on CUDA). Paged attention dispatches per
@@ -51,16 +51,27 @@ class KVCache:
 
 
 def dense_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int = 0, doc_ids: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    window: int = 0,
+    doc_ids: Tensor | None = None,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention over full sequences, optionally restricted to each token's own document.
+    """Attention over full sequences: causal (the LM) or bidirectional (the encoder), optionally per document.
 
     Args:
         q: [B, T, H, D]; k, v: [B, T, K, D].
         scale: softmax scale.
-        window: sliding window in tokens (0: none).
+        window: sliding window in tokens (0: none); bidirectional, a key is kept when |i - j| < window.
         doc_ids: [B, T] int document index of each token (packed training rows); a query attends only to
-            earlier keys of the same document. None: one document per row (the fast `is_causal` path).
+            keys of the same document. None: one document per row (the fast `is_causal` path).
+        causal: a query attends only to keys at or before it; False: to every key (embedding encoders).
+        key_padding_mask: [B, T] bool, True for real tokens; padded keys are never attended. A query with no
+            key left (a row that is all padding) attends to every key instead, so no row is NaN.
 
     Returns:
         [B, T, H, D].
@@ -69,15 +80,24 @@ def dense_attention(
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
     gqa = qh.shape[1] != kh.shape[1]
     windowed = 0 < window < seq
-    if not windowed and doc_ids is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    if not windowed and doc_ids is None and key_padding_mask is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
     pos = torch.arange(seq, device=q.device)
-    mask = pos[None, :] <= pos[:, None]  # [T, T] causal
+    if causal:
+        mask = pos[None, :] <= pos[:, None]  # [T, T]
+    else:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device)
     if windowed:
         mask = mask & (pos[None, :] > pos[:, None] - window)
+        if not causal:
+            mask = mask & (pos[None, :] < pos[:, None] + window)
     if doc_ids is not None:
         mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])  # [B, T, T]
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask.bool()[:, None, :]  # [B, T, T]
+        mask = mask | ~mask.any(-1, keepdim=True)  # a query with no key left attends to all: finite, never NaN
+    if mask.dim() == 3:
         mask = mask[:, None]  # broadcast over heads
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
+from astrai.models.encoder import EncoderConfig
 from astrai.serve.common import APIError, anthropic_error, openai_error
 from astrai.serve.metrics import Metrics
 
@@ -34,6 +35,7 @@ class ServerState:
     created: int = attrs.Factory(lambda: int(time.time()))
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    embeddings: EncoderConfig | None = None  # None: /v1/embeddings answers 404
 
     @property
     def tokenizer(self):
@@ -99,18 +101,23 @@ def _basic_routes(state: ServerState) -> list[Route]:
 
 
 def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None = None,
-              max_body_bytes: int = 8 << 20) -> ASGIApp:  # fmt: skip
-    """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down."""
-    from astrai.serve import anthropic_api, openai_api
+              max_body_bytes: int = 8 << 20, embeddings: EncoderConfig | None = None) -> ASGIApp:  # fmt: skip
+    """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
-    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+    `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
+    """
+    from astrai.serve import anthropic_api, embeddings_api, openai_api
+
+    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                        embeddings=embeddings)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         engine.shutdown()  # ends in-flight requests (finish_reason "abort") and frees their KV
 
-    routes = _basic_routes(state) + openai_api.routes(state) + anthropic_api.routes(state)
+    routes = _basic_routes(state) + openai_api.routes(state) + embeddings_api.routes(state)
+    routes += anthropic_api.routes(state)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = state
     return Guard(app, state)

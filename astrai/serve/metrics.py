@@ -1,8 +1,8 @@
 """Prometheus metrics in the text exposition format (no client library: a few counters and histograms).
 
-Exposed at `GET /metrics`: requests by endpoint and status, prompt and generated tokens, time-to-first-token
-and inter-token latency histograms, and engine gauges (running, waiting, KV pages used/cached/free, prefix-cache
-hit rate). Updated from the event-loop thread only.
+Exposed at `GET /metrics`: requests by endpoint and status, prompt, generated and embedded tokens,
+time-to-first-token and inter-token latency histograms, and engine gauges (running, waiting, KV pages
+used/cached/free, prefix-cache hit rate). Updated from the event-loop thread only.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.embedding_tokens = 0  # input tokens of /v1/embeddings requests
         self.ttft = Histogram()
         self.itl = Histogram()
 
@@ -76,7 +77,8 @@ class Metrics:
         for (endpoint, status), n in sorted(self.requests.items()):
             lines.append(f'astrai_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
         counters = {"astrai_prompt_tokens_total": self.prompt_tokens,
-                    "astrai_generation_tokens_total": self.generated_tokens}  # fmt: skip
+                    "astrai_generation_tokens_total": self.generated_tokens,
+                    "astrai_embedding_tokens_total": self.embedding_tokens}  # fmt: skip
         for name, value in counters.items():
             lines += [f"# TYPE {name} counter", f"{name} {value}"]
         histograms = {"astrai_time_to_first_token_seconds": self.ttft, "astrai_inter_token_latency_seconds": self.itl}

@@ -14,8 +14,9 @@ Notable features:
   `to_params(frozen, trainable)` builds the tree the forward runs on.
 - Mixed precision: fp32 master weights, optional autocast (bf16 on GPUs); NEFTune noise on the embeddings
   (uniform, alpha / sqrt(T * E) as in the paper); per-block activation checkpointing.
-- MoE hook: `aux_loss` (zero for dense models) is added with `moe_aux_loss_coef` once the MoE layers return
-  their load-balancing loss.
+- MoE: the load-balancing loss (`astrai.nn.moe.load_balancing_loss`, transformers' formula) is added with
+  `moe_aux_loss_coef`, weighted by the micro-batch's trained tokens so accumulation keeps a token-weighted
+  mean; with one micro-batch the loss is mean CE + coef * aux, exactly as transformers computes it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from astrai.data.batch import LMBatch, document_ids
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, hidden_states, lm_head_weight
 from astrai.nn.embedding import embed
+from astrai.nn.moe import load_balancing_loss
 from astrai.nn.norm import rms_norm
 from astrai.train.loss import chunked_cross_entropy
 from astrai.train.optim import AdamWConfig, AdamWState, adamw_update_, clip_grad_norm_, decay_mask, init_adamw
@@ -88,7 +90,7 @@ def lm_loss(
     opts: StepOptions,
     packed: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """(loss to backpropagate = (task sum + aux) / norm, detached task-loss sum) for one micro-batch.
+    """(loss to backpropagate = (task sum + coef * MoE aux * trained tokens) / norm, detached task sum).
 
     `packed=False` promises one document per row (pretraining windows): attention takes the plain causal path
     instead of building a document mask.
@@ -99,7 +101,7 @@ def lm_loss(
             embeds = embed(params.embed_tokens, batch.tokens)
             scale = opts.neftune_alpha / math.sqrt(embeds.shape[1] * embeds.shape[2])
             embeds = embeds + (torch.rand_like(embeds) * 2 - 1) * scale
-        h = hidden_states(
+        h, moe_aux = hidden_states(
             params,
             cfg,
             batch.tokens,
@@ -107,6 +109,7 @@ def lm_loss(
             doc_ids=document_ids(batch.positions) if packed else None,
             embeds=embeds,
             checkpoint_blocks=opts.checkpoint_blocks,
+            return_aux=True,
         )
         h = rms_norm(params.norm, h, eps=cfg.rms_norm_eps)
     bias = None if params.lm_head is None else params.lm_head.bias
@@ -119,8 +122,11 @@ def lm_loss(
         chunk_size=opts.ce_chunk,
         label_smoothing=opts.label_smoothing,
     )
-    aux = h.new_zeros((), dtype=torch.float32)  # MoE hook: the layers' load-balancing loss goes here
-    return (task + opts.moe_aux_loss_coef * aux) / norm, task.detach()
+    loss = task
+    if cfg.ffn_type == "moe" and moe_aux is not None and opts.moe_aux_loss_coef:
+        # token-weighted so that summing micro-batch losses / norm gives coef * (token-weighted mean aux)
+        loss = loss + opts.moe_aux_loss_coef * load_balancing_loss(moe_aux) * batch.loss_mask.sum()
+    return loss / norm, task.detach()
 
 
 def _full_params(frozen: Any, trainable: Any) -> Any:
