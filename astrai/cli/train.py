@@ -37,7 +37,9 @@ def cli(args: list[str]) -> None:
         base = run_guarded(lambda: load_config(first))
     else:
         fail(f"unknown recipe {first!r}; choose one of {', '.join(sorted(RECIPES))} or pass a run's config.json")
-    cfg = run_guarded(lambda: tyro.cli(TrainConfig, default=base, args=rest, prog=f"astrai train {first}"))
+    # AvoidSubcommands: optional nested configs (lora) take plain flags (--lora.r 8) when the base config sets them
+    cfg = run_guarded(lambda: tyro.cli(TrainConfig, default=base, args=rest, prog=f"astrai train {first}",
+                                       config=(tyro.conf.AvoidSubcommands,)))  # fmt: skip
     main(cfg)
 
 

@@ -26,3 +26,9 @@ def test_bad_saved_config_names_the_field():
     data["batch_size"] = 0
     with pytest.raises(ValueError, match="batch_size"):
         config_from_dict(data)
+
+
+def test_lora_flags_override_a_lora_recipe():
+    args = ["--lora.r", "8", "--lora.targets", "all-linear"]
+    cfg = tyro.cli(TrainConfig, default=RECIPES["sft-lora-tiny"](), args=args, config=(tyro.conf.AvoidSubcommands,))
+    assert cfg.lora.r == 8 and "gate_proj" in cfg.lora.target_names
