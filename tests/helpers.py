@@ -60,6 +60,8 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }
     config_cls, model_cls = classes[family]
     kwargs = {**TINY, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **overrides}

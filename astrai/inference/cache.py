@@ -1,6 +1,7 @@
 """KV pool allocation and paged-step metadata (host side).
 
-`init_kv_cache` preallocates the per-layer pool tensors; `make_attn_meta` turns per-request page lists and
+`init_kv_cache` preallocates the per-layer pool tensors (K and V per layer for GQA; one [S, R + Dr] latent
+tensor per layer for MLA, see `astrai.nn.mla`); `make_attn_meta` turns per-request page lists and
 lengths into the `AttnMeta` tree a step consumes. Page 0 is reserved as a null page: padding rows write there
 and page tables may point there, so no request's data is ever clobbered by padding.
 """
@@ -11,21 +12,26 @@ import torch
 from torch import Tensor
 
 from astrai.models.config import ModelConfig
-from astrai.ops.attention import AttnMeta, KVCache
+from astrai.nn.mla import init_mla_cache
+from astrai.ops.attention import AttnMeta, KVCache, LatentCache
 
 NULL_PAGE = 0
 
 
 def init_kv_cache(
     cfg: ModelConfig, num_pages: int, page_size: int, *, dtype: torch.dtype, device: torch.device | str
-) -> KVCache:
+) -> KVCache | LatentCache:
     """Zeroed pool of `num_pages` pages (page 0 is the null page) per layer.
 
     Returns:
-        KVCache with k/v tuples of L tensors [num_pages * page_size, K, D].
+        GQA: KVCache with k/v tuples of L tensors [num_pages * page_size, K, D].
+        MLA: LatentCache with L tensors [num_pages * page_size, kv_lora_rank + qk_rope_head_dim].
     """
     if num_pages < 2:
         raise ValueError(f"the KV pool needs at least 2 pages (page 0 is reserved), got {num_pages}")
+    if cfg.attn_type == "mla":
+        slots = num_pages * page_size
+        return LatentCache(latent=init_mla_cache(cfg.mla, cfg.num_hidden_layers, slots, dtype=dtype, device=device))
     shape = (num_pages * page_size, cfg.num_key_value_heads, cfg.head_dim)
     layers = range(cfg.num_hidden_layers)
     return KVCache(
@@ -35,8 +41,10 @@ def init_kv_cache(
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V per token over all layers."""
+    """Bytes of K and V (MLA: of the latent row) per token over all layers."""
     item = torch.empty((), dtype=dtype).element_size()
+    if cfg.attn_type == "mla":
+        return cfg.num_hidden_layers * cfg.mla.latent_dim * item
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
 
 

@@ -16,14 +16,14 @@ from torch import Tensor
 
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, forward
-from astrai.ops.attention import AttnMeta, KVCache
+from astrai.ops.attention import AttnMeta, KVCache, LatentCache
 
 
 def prefill_step(
     params: DecoderParams,
     tokens: Tensor,
     meta: AttnMeta,
-    cache: KVCache,
+    cache: KVCache | LatentCache,
     logits_positions: Tensor,
     *,
     cfg: ModelConfig,
@@ -42,7 +42,9 @@ def prefill_step(
     return forward(params, cfg, tokens, meta=meta, cache=cache, logits_positions=logits_positions)
 
 
-def decode_step(params: DecoderParams, tokens: Tensor, meta: AttnMeta, cache: KVCache, *, cfg: ModelConfig) -> Tensor:
+def decode_step(
+    params: DecoderParams, tokens: Tensor, meta: AttnMeta, cache: KVCache | LatentCache, *, cfg: ModelConfig
+) -> Tensor:
     """One token per request: tokens [B] -> logits [B, V] (float32)."""
     return forward(params, cfg, tokens, meta=meta, cache=cache)
 

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.io.errors import CheckpointError
-from astrai.io.hf import IGNORED_HF_TENSORS, astrai_to_hf_name, config_from_hf, config_to_hf, expert_hf_names
+from astrai.io.hf import astrai_to_hf_name, config_from_hf, config_to_hf, expert_hf_names, is_ignored_hf_tensor
 from astrai.models.config import DTYPES, ModelConfig
 from astrai.models.decoder import DecoderParams, init_params_meta
 from astrai.tree import from_named_tensors, named_tensors
@@ -110,7 +110,7 @@ def hf_parts(name: str, cfg: ModelConfig) -> tuple[list[str], bool]:
 def _check_unexpected(files: dict[str, Path], expected: dict[str, tuple[int, ...]], cfg: ModelConfig) -> None:
     known = {part for name in expected for part in hf_parts(name, cfg)[0]}
     for hf_name, file in files.items():
-        if IGNORED_HF_TENSORS.fullmatch(hf_name) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
+        if is_ignored_hf_tensor(hf_name, cfg) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
             continue
         if hf_name not in known:
             raise CheckpointError(

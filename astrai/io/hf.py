@@ -1,6 +1,7 @@
 """Hugging Face interop: `config.json` <-> `ModelConfig` and HF tensor names <-> astrai tree names.
 
-Supported `model_type`s: llama, mistral, qwen2, qwen3 and the MoE families qwen2_moe, qwen3_moe, mixtral.
+Supported `model_type`s: llama, mistral, qwen2, qwen3, the MoE families qwen2_moe, qwen3_moe, mixtral, and
+deepseek_v3 / deepseek_v2 (MLA + DeepSeek MoE; their config fields live in `astrai.io.hf_deepseek`).
 Family quirks handled here so the decoder stays
 family-agnostic: qwen2 always has q/k/v bias and no o_proj bias; llama/qwen3 `attention_bias` covers q/k/v/o;
 qwen3 has qk-norm; mistral slides every layer; qwen2/qwen3 slide layers >= `max_window_layers` when
@@ -17,9 +18,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import attrs
 import cattrs
 
 from astrai.io.errors import UnsupportedModelError
+from astrai.io.hf_deepseek import DEEPSEEK_FAMILIES, deepseek_from_hf, deepseek_to_hf
 from astrai.models.config import DTYPES, ModelConfig, MoEConfig
 from astrai.nn.rope import ROPE_TYPES, RopeConfig
 
@@ -31,6 +34,8 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 # transformers' defaults for keys a config.json may omit.
@@ -44,6 +49,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"max_position_embeddings": 32768, "num_experts": 128, "num_experts_per_tok": 8}
     | {"moe_intermediate_size": 768},
     "mixtral": {"max_position_embeddings": 4096 * 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "deepseek_v2": {"max_position_embeddings": 2048},
+    "deepseek_v3": {"max_position_embeddings": 4096},
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -127,7 +134,7 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
         rope = _rope_from_hf(d)
     except (cattrs.BaseValidationError, TypeError, ValueError) as err:
         raise UnsupportedModelError(f"{source}: rope settings: {_describe(err)}") from None
-    window = _window(d, family)
+    window = None if family in DEEPSEEK_FAMILIES else _window(d, family)
     bias = bool(d.get("qkv_bias", True) if family == "qwen2_moe" else d.get("attention_bias", False))
     moe = _moe_from_hf(d, family, source)
     flat = {
@@ -158,6 +165,11 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
         "pad_token_id": d.get("pad_token_id"),
         "rope": _converter.unstructure(rope),
     }
+    if family in DEEPSEEK_FAMILIES:
+        fields, interleaved = deepseek_from_hf(d, family, source)
+        fields["mla"] = _converter.unstructure(fields["mla"])
+        fields["moe"] = _converter.unstructure(fields["moe"])
+        flat |= fields | {"rope": _converter.unstructure(attrs.evolve(rope, interleaved=interleaved))}
     try:
         cfg = _converter.structure(flat, ModelConfig)
     except cattrs.BaseValidationError as err:
@@ -168,7 +180,7 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
 def _moe_from_hf(d: dict[str, Any], family: str, source: str) -> MoEConfig | None:
     """The MoEConfig of a qwen2_moe / qwen3_moe / mixtral config.json (None for dense families)."""
     if family not in MOE_FAMILIES:
-        return None
+        return None  # dense, or DeepSeek (astrai.io.hf_deepseek)
     defaults = _FAMILY_DEFAULTS[family]
     k = d.get("num_experts_per_tok", defaults["num_experts_per_tok"])
     coef = d.get("router_aux_loss_coef", 0.001)
@@ -313,6 +325,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["sliding_window"] = cfg.sliding_window
     if cfg.model_type in MOE_FAMILIES:
         d |= _moe_to_hf(cfg)
+    if cfg.model_type in DEEPSEEK_FAMILIES:
+        d |= deepseek_to_hf(cfg)
+    elif cfg.attn_type != "gqa":
+        raise UnsupportedModelError(f"{cfg.model_type} cannot express attn_type={cfg.attn_type!r}")
     if cfg.model_type in ("qwen2", "qwen3"):
         d["use_sliding_window"] = cfg.sliding_window is not None
         d["max_window_layers"] = cfg.num_hidden_layers
@@ -351,6 +367,14 @@ _REVERSE_RULES: tuple[tuple[str, str], ...] = (
 IGNORED_HF_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+def is_ignored_hf_tensor(name: str, cfg: ModelConfig) -> bool:
+    """Whether HF tensor `name` is skipped on load: RoPE tables, DeepSeek MTP layers (model.layers.{>= L}.*)."""
+    if IGNORED_HF_TENSORS.fullmatch(name):
+        return True
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return cfg.model_type in DEEPSEEK_FAMILIES and layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers
+
+
 def _apply_rules(name: str, rules: tuple[tuple[str, str], ...]) -> str | None:
     for pattern, template in rules:
         match = re.fullmatch(pattern, name)
@@ -383,6 +407,8 @@ def astrai_to_hf_name(name: str, model_type: str | None = None) -> str:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
     if model_type == "mixtral":
         out = re.sub(r"^(model\.layers\.\d+\.)mlp\.", r"\1block_sparse_moe.", out)
+    if model_type in DEEPSEEK_FAMILIES:  # qwen2_moe says shared_expert, DeepSeek shared_experts
+        out = re.sub(r"\.mlp\.shared_expert\.", ".mlp.shared_experts.", out)
     return out
 
 

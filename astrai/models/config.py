@@ -1,9 +1,9 @@
 """Static model hyperparameters: `ModelConfig` and `RopeConfig` (attrs frozen, hashable).
 
 One config describes every decoder family astrai runs (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe,
-mixtral). Family quirks are plain switches (`attention_bias`, `qk_norm`, `sliding_window`, ...) so the single
-decoder in `models/decoder.py` needs no per-family code. Attention and FFN kinds are explicit (`attn_type`,
-`ffn_type`) so MLA and MoE can arrive as new values with their own nested configs, without a redesign.
+mixtral, deepseek_v3). Family quirks are plain switches (`attention_bias`, `qk_norm`, `sliding_window`, ...) so
+the single decoder in `models/decoder.py` needs no per-family code. Attention and FFN kinds are explicit (`attn_type`,
+`ffn_type`); MLA (`attn_type="mla"`) and MoE carry their own nested configs (`mla`, `moe`).
 
 HF `config.json` <-> ModelConfig conversion lives in `astrai/io/hf.py`.
 """
@@ -15,10 +15,11 @@ from typing import Literal
 import attrs
 import torch
 
+from astrai.nn.mla import MLAConfig
 from astrai.nn.moe import MoEConfig, check_moe_config
 from astrai.nn.rope import ROPE_TYPES, RopeConfig
 
-__all__ = ["DTYPES", "ModelConfig", "MoEConfig", "RopeConfig", "check_config"]
+__all__ = ["DTYPES", "MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig", "check_config"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,8 +64,10 @@ class ModelConfig:
     """Sliding-window size in tokens for layers of type "sliding_attention" (None: no window)."""
     layer_types: tuple[str, ...] | None = None
     """Per-layer "full_attention" / "sliding_attention"; None means every layer slides when a window is set."""
-    attn_type: Literal["gqa"] = "gqa"
-    """Attention kind ("mla" arrives with DeepSeek support)."""
+    attn_type: Literal["gqa", "mla"] = "gqa"
+    """Attention kind: grouped-query attention, or DeepSeek's multi-head latent attention (settings in `mla`)."""
+    mla: MLAConfig | None = None
+    """MLA layer shape (required when attn_type is "mla"; its num_heads equals num_attention_heads)."""
     ffn_type: Literal["mlp", "moe"] = "mlp"
     """FFN kind: dense SwiGLU everywhere, or MoE on the layers `moe` makes sparse (`layer_is_moe`)."""
     moe: MoEConfig | None = None
@@ -91,6 +94,11 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         """Query heads per KV head (the GQA group size G)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotary width of the cos/sin tables: head_dim (GQA) or qk_rope_head_dim (MLA)."""
+        return self.mla.qk_rope_head_dim if self.attn_type == "mla" and self.mla is not None else self.head_dim
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether `layer`'s FFN is the MoE block (else the dense MLP of width `intermediate_size`)."""
@@ -129,5 +137,33 @@ def check_config(cfg: ModelConfig) -> None:
         if cfg.moe is None:
             raise ValueError("ModelConfig.ffn_type is 'moe' but ModelConfig.moe is None")
         check_moe_config(cfg.moe)
+    _check_attn(cfg)
     if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
         raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")
+
+
+def _check_attn(cfg: ModelConfig) -> None:
+    if cfg.attn_type not in ("gqa", "mla"):
+        raise ValueError(f"ModelConfig.attn_type must be 'gqa' or 'mla', got {cfg.attn_type!r}")
+    if cfg.attn_type == "gqa":
+        if cfg.mla is not None:
+            raise ValueError("ModelConfig.mla is set but attn_type is 'gqa' (set attn_type='mla')")
+        return
+    mla = cfg.mla
+    if mla is None:
+        raise ValueError("ModelConfig.attn_type is 'mla' but ModelConfig.mla is None")
+    if mla.num_heads != cfg.num_attention_heads:
+        raise ValueError(f"MLAConfig.num_heads ({mla.num_heads}) != num_attention_heads ({cfg.num_attention_heads})")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(mla, name) <= 0:
+            raise ValueError(f"MLAConfig.{name} must be positive, got {getattr(mla, name)}")
+    if mla.q_lora_rank is not None and mla.q_lora_rank <= 0:
+        raise ValueError(f"MLAConfig.q_lora_rank must be positive or None, got {mla.q_lora_rank}")
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(f"MLAConfig.qk_rope_head_dim must be even for RoPE, got {mla.qk_rope_head_dim}")
+    if mla.interleaved_rope != cfg.rope.interleaved:
+        raise ValueError(
+            f"MLAConfig.interleaved_rope ({mla.interleaved_rope}) != rope.interleaved ({cfg.rope.interleaved})"
+        )
+    if cfg.sliding_window is not None:
+        raise ValueError("sliding_window is not supported with attn_type 'mla'")

@@ -1,4 +1,4 @@
-"""One functional decoder LM for every family (llama, mistral, qwen2, qwen3, their MoE kin) via `ModelConfig` switches.
+"""One functional decoder LM for every family (llama, mistral, qwen2, qwen3, MoE kin, deepseek) via `ModelConfig`.
 
 Notable features:
 - Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)); final norm; LM head (tied or untied).
@@ -8,8 +8,10 @@ Notable features:
 - Logits are float32 whatever the parameter dtype (sampling and losses want fp32).
 - MoE: a block's FFN is `MoEParams` where `cfg.layer_is_moe(layer)` (else the dense MLP); `hidden_states`
   can return the summed MoE aux tree for the load-balancing loss.
+- MLA (`cfg.attn_type == "mla"`, DeepSeek): a block's attention is `MLAParams` run by `astrai.nn.mla.mla`; the
+  rope tables have width qk_rope_head_dim and the paged pool is a `LatentCache` (one latent tensor per layer).
 
-Not here: MLA (a future `attn_type`), the embedding encoder.
+Not here: the embedding encoder (`models/encoder.py`); bidirectional MLA.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from astrai.models.config import ModelConfig, check_config
 from astrai.nn.attention import AttentionParams, AttentionShape, attention, init_attention
 from astrai.nn.embedding import EmbeddingParams, embed, init_embedding
 from astrai.nn.linear import LinearParams, init_linear
+from astrai.nn.mla import MLAConfig, MLAParams, init_mla, mla, mla_softmax_scale
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
 from astrai.nn.moe import MoEAux, MoEConfig, MoEParams, add_aux, init_moe, moe
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.nn.rope import rope_cos_sin
-from astrai.ops.attention import AttnMeta, KVCache
+from astrai.ops.attention import AttnMeta, KVCache, LatentCache
 from astrai.ops.linear import linear as linear_op
 from astrai.tree import named_tensors, pytree, to_device
 
@@ -38,7 +41,7 @@ class BlockParams:
     """One pre-norm decoder block."""
 
     attn_norm: RMSNormParams
-    attn: AttentionParams
+    attn: AttentionParams | MLAParams  # MLAParams when cfg.attn_type == "mla"
     mlp_norm: RMSNormParams
     mlp: MLPParams | MoEParams  # MoEParams on the layers where cfg.layer_is_moe(layer)
 
@@ -75,23 +78,34 @@ def _init_ffn(
     return init_mlp(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, **kw)
 
 
+def _init_attn(
+    cfg: ModelConfig, layer: int, std: float, out_std: float, generator: torch.Generator | None
+) -> AttentionParams | MLAParams:
+    kw = dict(std=std, out_std=out_std, generator=generator, dtype=cfg.torch_dtype)
+    if cfg.attn_type == "mla":
+        return init_mla(cfg.hidden_size, cfg.mla, attention_bias=cfg.attention_bias, **kw)
+    return init_attention(
+        cfg.hidden_size,
+        attention_shape(cfg, layer),
+        qkv_bias=cfg.attention_bias,
+        out_bias=cfg.attention_out_bias,
+        qk_norm=cfg.qk_norm,
+        **kw,
+    )
+
+
+def _mla_scale(cfg: ModelConfig) -> float:
+    """Softmax scale of the MLA layers (host constant; 0.0 for GQA models)."""
+    return mla_softmax_scale(cfg.mla, cfg.rope) if cfg.attn_type == "mla" else 0.0
+
+
 def _build(cfg: ModelConfig, generator: torch.Generator | None) -> DecoderParams:
     dtype, std = cfg.torch_dtype, cfg.initializer_range
     out_std = std / (2 * cfg.num_hidden_layers) ** 0.5  # residual-output projections (GPT-2 scheme)
     blocks = tuple(
         BlockParams(
             attn_norm=init_rms_norm(cfg.hidden_size, dtype=dtype),
-            attn=init_attention(
-                cfg.hidden_size,
-                attention_shape(cfg, layer),
-                qkv_bias=cfg.attention_bias,
-                out_bias=cfg.attention_out_bias,
-                qk_norm=cfg.qk_norm,
-                std=std,
-                out_std=out_std,
-                generator=generator,
-                dtype=dtype,
-            ),
+            attn=_init_attn(cfg, layer, std, out_std, generator),
             mlp_norm=init_rms_norm(cfg.hidden_size, dtype=dtype),
             mlp=_init_ffn(cfg, layer, std, out_std, generator),
         )
@@ -143,17 +157,25 @@ def _block(
     shape: AttentionShape,
     eps: float,
     meta: AttnMeta | None,
-    kv: tuple[Tensor, Tensor] | None,
+    kv: tuple[Tensor, Tensor] | Tensor | None,
     doc_ids: Tensor | None,
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     moe_cfg: MoEConfig | None = None,
     with_aux: bool = False,
+    mla_cfg: MLAConfig | None = None,
+    mla_scale: float = 0.0,
 ) -> tuple[Tensor, MoEAux | None]:
-    """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); also the MoE aux tree (None for a dense FFN)."""
+    """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); also the MoE aux tree (None for a dense FFN).
+
+    For MLA blocks `kv` is the layer's latent pool tensor and `mla_cfg`/`mla_scale` replace `shape`.
+    """
     h = rms_norm(block.attn_norm, x, eps=eps)
-    x = x + attention(block.attn, h, cos, sin, shape=shape, meta=meta, kv=kv, doc_ids=doc_ids, causal=causal,
-                      key_padding_mask=key_padding_mask)  # fmt: skip
+    if isinstance(block.attn, MLAParams):
+        x = x + mla(block.attn, h, cos, sin, cfg=mla_cfg, scale=mla_scale, meta=meta, cache=kv, doc_ids=doc_ids)
+    else:
+        x = x + attention(block.attn, h, cos, sin, shape=shape, meta=meta, kv=kv, doc_ids=doc_ids, causal=causal,
+                          key_padding_mask=key_padding_mask)  # fmt: skip
     h = rms_norm(block.mlp_norm, x, eps=eps)
     if isinstance(block.mlp, MoEParams):
         y, aux = moe(block.mlp, h, cfg=moe_cfg, with_aux=with_aux)
@@ -168,7 +190,7 @@ def hidden_states(
     *,
     positions: Tensor | None = None,
     meta: AttnMeta | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | LatentCache | None = None,
     doc_ids: Tensor | None = None,
     embeds: Tensor | None = None,
     checkpoint_blocks: bool = False,
@@ -196,18 +218,30 @@ def hidden_states(
         raise ValueError("doc_ids is for dense (training) mode; paged requests are already separate")
     if cache is not None and (not causal or key_padding_mask is not None):
         raise ValueError("causal=False and key_padding_mask are for dense mode (no KV cache)")
+    if cfg.attn_type == "mla" and (not causal or key_padding_mask is not None):
+        raise ValueError("MLA models run causally only (causal=False / key_padding_mask are not supported)")
+    if cache is not None and isinstance(cache, LatentCache) != (cfg.attn_type == "mla"):
+        raise ValueError(
+            f"attn_type {cfg.attn_type!r} needs a {'LatentCache' if cfg.attn_type == 'mla' else 'KVCache'}"
+        )
+    scale = _mla_scale(cfg)
     cos, sin = rope_cos_sin(
         _positions(tokens, positions, meta),
         rope=cfg.rope,
-        head_dim=cfg.head_dim,
+        head_dim=cfg.rope_dim,
         max_position_embeddings=cfg.max_position_embeddings,
     )
     x = embed(params.embed_tokens, tokens) if embeds is None else embeds
     aux = None
     for layer, block in enumerate(params.blocks):
-        kv = None if cache is None else (cache.k[layer], cache.v[layer])
+        if cache is None:
+            kv = None
+        elif isinstance(cache, LatentCache):
+            kv = cache.latent[layer]
+        else:
+            kv = (cache.k[layer], cache.v[layer])
         args = (block, x, cos, sin, attention_shape(cfg, layer), cfg.rms_norm_eps, meta, kv, doc_ids, causal,
-                key_padding_mask, cfg.moe, return_aux)  # fmt: skip
+                key_padding_mask, cfg.moe, return_aux, cfg.mla, scale)  # fmt: skip
         if checkpoint_blocks:
             x, layer_aux = torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
         else:
@@ -228,7 +262,7 @@ def forward(
     *,
     positions: Tensor | None = None,
     meta: AttnMeta | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | LatentCache | None = None,
     logits_positions: Tensor | None = None,
 ) -> Tensor:
     """Next-token logits.

@@ -16,9 +16,9 @@ Rope layout: DeepSeek checkpoints rotate interleaved pairs (transformers V2 alwa
 so scores are unchanged). The softmax scale is (Dn + Dr)^-0.5 times mscale(factor, mscale_all_dim)^2 under
 yarn (`mla_softmax_scale`); the cos/sin tables carry the separate mscale/mscale_all_dim ratio (astrai.nn.rope).
 
-Not here (integration, see docs/mla.md): ModelConfig fields, hf.py converters, the decoder switch, engine cache
-allocation, a Triton extend kernel (extend runs the torch path on every device), LoRA on kv_b_proj (the
-absorbed form reads its base weight only).
+Used by the decoder when `ModelConfig.attn_type == "mla"` (the engine allocates the pool with `init_mla_cache`).
+Not here (see docs/mla.md): a Triton extend kernel (extend runs the torch path on every device), LoRA on kv_b_proj
+(the absorbed form reads its base weight only).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Attention: dense (causal or bidirectional, no cache) and paged (prefill/extend and decode over the KV pool).
 
-`AttnMeta` is the explicit batch metadata tree of a paged step; `KVCache` holds the per-layer pool tensors.
+`AttnMeta` is the explicit batch metadata tree of a paged step; `KVCache` holds the per-layer pool tensors
+(`LatentCache` is the MLA pool: one latent tensor per layer, used by `astrai.nn.mla`).
 Dense attention always runs torch SDPA (flash/efficient kernels on CUDA). Paged attention dispatches per
 `astrai.ops.backend`: Triton kernels on CUDA, the vectorised torch path on CPU, or the CUDA references.
 """
@@ -48,6 +49,14 @@ class KVCache:
 
     k: tuple[Tensor, ...]
     v: tuple[Tensor, ...]
+
+
+@pytree
+@attrs.frozen(eq=False)
+class LatentCache:
+    """The paged MLA pool: one [S, R + Dr] tensor per layer of [c_kv ; k_pe] rows (astrai.nn.mla)."""
+
+    latent: tuple[Tensor, ...]
 
 
 def dense_attention(

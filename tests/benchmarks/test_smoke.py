@@ -50,3 +50,22 @@ def test_serve_smoke_reports_json(tmp_path):
     expected = report["requests"] * report["new_tokens"]
     assert [(r["errors"], r["tokens"]) for r in report["results"]] == [(0, expected)] * 2
     assert report["client"] == "separate process" and all(r["output_tok_s"] > 0 for r in report["results"])
+
+
+def test_moe_smoke_reports_json(tmp_path):
+    """bench_moe: the logits check passed, every variant and shape has a positive rate, the KV table is filled."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--smoke", "--out", str(tmp_path / "out.json")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "out.json").read_text())
+    check = report["logits_check"]
+    assert check["ok"] and check["max_abs_diff"] <= check["tolerance"]
+    variants = {"astrai", "astrai_compiled", "hf_eager", "hf_eager_loop"}
+    assert {r["variant"] for r in report["prefill"]} == variants and len(report["prefill"]) == 2 * len(variants)
+    assert all(r["tok_s"] > 0 for r in report["prefill"])
+    by = {(r["model"], r["layout"].split()[0]): r["bytes_per_token"] for r in report["kv_bytes"]}
+    assert by[("deepseek-v3", "MLA")] == 61 * 576 * 2 and by[("llama3.1-8b", "GQA")] == 2 * 8 * 128 * 32 * 2
