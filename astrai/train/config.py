@@ -74,6 +74,8 @@ class TrainConfig:
     """cpu, cuda, cuda:1 ... (default: cuda when available, else cpu; LOCAL_RANK picks the GPU under torchrun)."""
     compile: bool = True
     """torch.compile the loss (forward + backward)."""
+    fsdp: bool = False
+    """Under torchrun: shard weights, gradients and AdamW state across ranks (ZeRO-3 with DTensor, FSDP2-style)."""
     resume: bool = False
     """Continue from the newest checkpoint in out_dir (a run never overwrites checkpoints without it)."""
 

@@ -27,6 +27,7 @@ from astrai.train import distributed
 from astrai.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from astrai.train.config import TrainConfig, config_to_dict
 from astrai.train.data import TrainData, open_data
+from astrai.train.fsdp import full_tree, gather_tree, load_into_shards_, make_mesh, shard_tree
 from astrai.train.metrics import MetricsLog
 from astrai.train.optim import adamw_state_dict, load_adamw_state
 from astrai.train.plot import loss_curve_png
@@ -85,6 +86,11 @@ class _Run:
         else:
             self.lora_cfg = None
             trainable, frozen, to_params = self.base, None, lambda _frozen, params: params
+        if cfg.fsdp and cfg.lora is not None:
+            raise ValueError("fsdp with lora is not supported: the adapters are small, use plain data parallel")
+        self.sharded = cfg.fsdp and self.dist.world_size > 1  # ZeRO-3 over the ranks (astrai.train.fsdp)
+        if self.sharded:
+            trainable = shard_tree(trainable, make_mesh(self.device))
         self.state: TrainState = init_train_state(trainable, cfg.optim)
         self.opts = StepOptions(
             max_grad_norm=cfg.max_grad_norm,
@@ -95,15 +101,18 @@ class _Run:
             compile=cfg.compile,
         )
         self.step_fn = TrainStep(
-            self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, frozen=frozen, to_params=to_params
-        )
+            self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, frozen=frozen, to_params=to_params,
+            sharded=self.sharded,
+        )  # fmt: skip
         self.schedule = cfg.schedule if cfg.schedule.total_steps else attrs.evolve(cfg.schedule, total_steps=cfg.steps)
         self.step, self.tokens_seen = 0, 0
 
     # ---- weights ------------------------------------------------------------------------------------------
     def params(self) -> DecoderParams:
-        """The full parameter tree (LoRA merged) as plain detached tensors."""
+        """The full parameter tree (LoRA merged) as plain detached tensors; collective when sharded."""
         trainable = self.state.trainable
+        if self.sharded:
+            return full_tree(trainable)
         if self.lora_cfg is None:
             return trainable
         return merge_lora(self.base, trainable)
@@ -113,15 +122,19 @@ class _Run:
         params = from_named_tensors(params, {k: v.detach() for k, v in named_tensors(params).items()})
         return Model(config=self.model_cfg, params=params, tokenizer=self.tokenizer, eos_token_ids=self.eos)
 
-    def _write_weights(self, folder: Path) -> None:
-        if self.lora_cfg is not None:
-            save_lora(self.state.trainable, self.lora_cfg, folder)
-        else:
-            save(self.model(), folder)
-
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
+        # sharded weights and moments are gathered on every rank (a collective), then rank 0 writes them
+        model = self.model() if self.lora_cfg is None and (self.dist.is_main or self.sharded) else None
+        optimizer = adamw_state_dict(full_tree(self.state.opt) if self.sharded else self.state.opt)
         if self.dist.is_main:
+
+            def write_model(folder: Path) -> None:
+                if self.lora_cfg is not None:
+                    save_lora(self.state.trainable, self.lora_cfg, folder)
+                else:
+                    save(model, folder)
+
             state = {
                 "tokens_seen": self.tokens_seen,
                 "sampler": self.data.sampler.state_dict(),
@@ -130,8 +143,8 @@ class _Run:
             save_checkpoint(
                 self.run_dir,
                 self.step,
-                write_model=self._write_weights,
-                optimizer=adamw_state_dict(self.state.opt),
+                write_model=write_model,
+                optimizer=optimizer,
                 state=state,
                 keep_last=self.cfg.keep_last,
             )
@@ -144,11 +157,13 @@ class _Run:
             weights = named_tensors(lora)
         else:
             weights = named_tensors(load(path / "model", dtype=torch.float32, device=self.device).params)
-        with torch.no_grad():
-            for name, leaf in named_tensors(self.state.trainable).items():
-                leaf.copy_(weights[name])
-        opt = load_adamw_state(self.state.opt, optimizer)
-        self.state = TrainState(trainable=self.state.trainable, opt=to_device(opt, self.device))
+        load_into_shards_(self.state.trainable, weights, named_tensors(self.state.trainable))
+        if self.sharded:
+            full_opt = load_adamw_state(full_tree(self.state.opt), optimizer)
+            load_into_shards_(self.state.opt, named_tensors(full_opt), named_tensors(self.state.opt))
+        else:
+            opt = load_adamw_state(self.state.opt, optimizer)
+            self.state = TrainState(trainable=self.state.trainable, opt=to_device(opt, self.device))
         self.data.sampler.load_state_dict(state["sampler"])
         set_rng_state(rng)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -160,7 +175,8 @@ class _Run:
         if not batches:
             return None
         total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        params = self.step_fn.to_params(self.step_fn.frozen, self.state.trainable)
+        trainable = gather_tree(self.state.trainable) if self.sharded else self.state.trainable
+        params = self.step_fn.to_params(self.step_fn.frozen, trainable)
         for batch in batches:
             batch = to_device(batch, self.device)
             one = torch.ones((), device=self.device)
@@ -234,11 +250,12 @@ def _train(run: _Run, previous: Path | None) -> TrainResult:
                 progress.note(f"{stop.signal_name}: saved checkpoint at step {run.step}; resume with --resume")
                 break
     model_dir = None
+    final = run.model() if not stopped and (main or run.sharded) else None  # collective when sharded
     if main:
         if log is not None:
             log.close()
             loss_curve_png(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
-        if not stopped:
-            model_dir = save(run.model(), run.run_dir / "model")
+        if final is not None:
+            model_dir = save(final, run.run_dir / "model")
     distributed.barrier()
     return TrainResult(run.run_dir, model_dir, run.step, stopped, last_loss, last_eval)

@@ -37,6 +37,7 @@ from astrai.models.decoder import DecoderParams, hidden_states, lm_head_weight
 from astrai.nn.embedding import embed
 from astrai.nn.moe import load_balancing_loss
 from astrai.nn.norm import rms_norm
+from astrai.train.fsdp import clip_sharded_, gather_tree
 from astrai.train.loss import chunked_cross_entropy
 from astrai.train.optim import AdamWConfig, AdamWState, adamw_update_, clip_grad_norm_, decay_mask, init_adamw
 from astrai.tree import leaves, pytree, tree_map
@@ -169,9 +170,11 @@ class TrainStep:
         trainable: Any,
         frozen: Any = None,
         to_params: Callable[[Any, Any], DecoderParams] = _full_params,
+        sharded: bool = False,
     ) -> None:
         self.cfg, self.opts, self.optim = cfg, opts, optim
         self.frozen, self.to_params = frozen, to_params
+        self.sharded = sharded  # trainable leaves are Shard(0) DTensors (astrai.train.fsdp)
         self.decay = decay_mask(trainable)
         loss = functools.partial(self._loss, cfg=cfg, opts=opts)
         self.loss = torch.compile(loss) if opts.compile else loss
@@ -192,14 +195,19 @@ class TrainStep:
         norm = tokens.clamp(min=1.0)
         total = torch.zeros((), device=device)
         for mb in micro_batches:
-            loss, task_sum = self.loss(state.trainable, mb, norm, is_packed(mb))
+            trainable = gather_tree(state.trainable) if self.sharded else state.trainable
+            loss, task_sum = self.loss(trainable, mb, norm, is_packed(mb))
             loss.backward()
             total += task_sum
         params = leaves(state.trainable)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if world > 1:
-            _all_reduce_sum_([total, *grads])
-        grad_norm = clip_grad_norm_(grads, self.opts.max_grad_norm)
+        if self.sharded:  # the backward already reduce-scattered the gradients into the shards
+            _all_reduce_sum_([total])
+            grad_norm = clip_sharded_(grads, self.opts.max_grad_norm)
+        else:
+            if world > 1:
+                _all_reduce_sum_([total, *grads])
+            grad_norm = clip_grad_norm_(grads, self.opts.max_grad_norm)
         with torch.no_grad():
             adamw_update_(state.trainable, grads, state.opt, lr=lr, cfg=self.optim, decay=self.decay)
         for p in params:

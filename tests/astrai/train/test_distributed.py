@@ -1,4 +1,5 @@
-"""Data parallel on CPU: 2 gloo processes under torchrun reproduce the 1-process run with the same global batch."""
+"""Data parallel on CPU: 2 gloo processes under torchrun reproduce the 1-process run with the same global batch,
+plain (all-reduced gradients) and sharded (FSDP-style DTensor shards, stopped and resumed halfway)."""
 
 import json
 import os
@@ -12,21 +13,30 @@ from astrai.io.model import load
 from astrai.train import loop
 from astrai.train.config import config_to_dict
 from astrai.train.metrics import read_metrics
+from astrai.train.schedule import ScheduleConfig
 from astrai.tree import named_tensors
 from helpers import assert_close
 
 
-def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path):
-    base = attrs.evolve(train_cfg, steps=4, save_every=0, val_fraction=0.0, eval_every=0)
-    single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4))
-    cfg = attrs.evolve(base, out_dir=tmp_path / "ddp", batch_size=2)
-    path = tmp_path / "ddp.json"
+def _torchrun(cfg, path, *extra):
     path.write_text(json.dumps(config_to_dict(cfg)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           "-m", "astrai.cli.main", "train", str(path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           "-m", "astrai.cli.main", "train", str(path), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["all-reduce", "fsdp"])
+def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path, fsdp):
+    schedule = ScheduleConfig(kind="cosine", warmup_steps=1, total_steps=4)  # fixed, so a 2-step run can resume
+    base = attrs.evolve(train_cfg, steps=4, save_every=2, val_fraction=0.0, eval_every=0, schedule=schedule)
+    single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4))
+    cfg = attrs.evolve(base, out_dir=tmp_path / "ddp", batch_size=2, fsdp=fsdp)
+    if fsdp:  # stop after 2 steps (sharded checkpoint gathered to rank 0), then resume from it
+        _torchrun(attrs.evolve(cfg, steps=2), tmp_path / "ddp.json")
+        _torchrun(cfg, tmp_path / "ddp.json", "--resume")
+    else:
+        _torchrun(cfg, tmp_path / "ddp.json")
     ddp_losses = [r["loss"] for r in read_metrics(cfg.out_dir / "metrics.jsonl", kind="train")]
     single_losses = [r["loss"] for r in read_metrics(tmp_path / "single" / "metrics.jsonl", kind="train")]
     assert len(ddp_losses) == 4 and ddp_losses == pytest.approx(single_losses, abs=1e-5)
