@@ -9,12 +9,13 @@ Mapping (transformers' DeepseekV2Config / DeepseekV3Config names):
   - V3 (`topk_method: noaux_tc`, `scoring_func: sigmoid`): sigmoid scores + e_score_correction_bias, grouped
     top-k over n_group / topk_group, norm_topk_prob;
   - V2 (`topk_method: greedy`, softmax): plain top-k of softmax scores, never renormalised (transformers ignores
-    norm_topk_prob for V2).
+    norm_topk_prob for V2);
+  - V2 `topk_method: group_limited_greedy` (DeepSeek-V2 / V2.5): grouped top-k whose group score is the group's
+    best score (`MoEConfig.group_score = "max"`), not V3's top-2 sum.
 
-Unsupported, raising `UnsupportedModelError` naming the setting: V2 `topk_method: group_limited_greedy` (its group
-score is the group max, not V3's top-2 sum), any other topk_method / scoring_func, `moe_layer_freq` != 1
-(transformers ignores it; DeepSeek's own code would skip layers), `mlp_bias`, n_routed_experts = 0,
-`quantization_config` (the released V3 fp8 block-quantised weights: load a bf16 conversion).
+Unsupported, raising `UnsupportedModelError` naming the setting: any other topk_method / scoring_func,
+`moe_layer_freq` != 1 (transformers ignores it; DeepSeek's own code would skip layers), `mlp_bias`,
+n_routed_experts = 0, `quantization_config` (the released V3 fp8 block-quantised weights: load a bf16 conversion).
 MTP layers (`num_nextn_predict_layers`, stored as model.layers.{L}.*) are ignored on load, as transformers does.
 """
 
@@ -52,8 +53,12 @@ def deepseek_from_hf(d: dict[str, Any], family: str, source: str) -> tuple[dict[
         d = {**d, "q_lora_rank": _DEFAULTS[family]["q_lora_rank"]}
     method, scoring = get("topk_method"), get("scoring_func")
     expected = ("greedy", "softmax") if family == "deepseek_v2" else ("noaux_tc", "sigmoid")
-    if method != expected[0]:
-        raise UnsupportedModelError(f"{source}: {family} topk_method: {method} is not supported (only {expected[0]})")
+    methods = ("greedy", "group_limited_greedy") if family == "deepseek_v2" else ("noaux_tc",)
+    if method not in methods:
+        raise UnsupportedModelError(
+            f"{source}: {family} topk_method: {method} is not supported (only {' or '.join(methods)})"
+        )
+    v2_grouped = method == "group_limited_greedy"
     if scoring != expected[1]:
         raise UnsupportedModelError(f"{source}: {family} scoring_func: {scoring} is not supported (only {expected[1]})")
     if d.get("moe_layer_freq", 1) != 1:
@@ -74,8 +79,9 @@ def deepseek_from_hf(d: dict[str, Any], family: str, source: str) -> tuple[dict[
         scoring="sigmoid" if v3 else "softmax",
         norm_topk_prob=bool(get("norm_topk_prob")) if v3 else False,
         routed_scaling_factor=float(get("routed_scaling_factor")),
-        n_group=(get("n_group") or 1) if v3 else 1,
-        topk_group=(get("topk_group") or 1) if v3 else 1,
+        n_group=(get("n_group") or 1) if v3 or v2_grouped else 1,
+        topk_group=(get("topk_group") or 1) if v3 or v2_grouped else 1,
+        group_score="max" if v2_grouped else "top2_sum",
         e_score_correction_bias=v3,
         shared_expert_intermediate_size=inter * (get("n_shared_experts") or 0),
         first_k_dense_replace=get("first_k_dense_replace") or 0,
@@ -117,7 +123,13 @@ def deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "mlp_only_layers": (),
     }
     if not v3:
-        fixed |= {"n_group": 1, "topk_group": 1, "norm_topk_prob": False}
+        fixed |= {"norm_topk_prob": False}
+        if moe.n_group == 1:
+            fixed |= {"topk_group": 1}
+        else:
+            fixed |= {"group_score": "max"}
+    else:
+        fixed |= {"group_score": "top2_sum"}
     wrong = [f"{key}={getattr(moe, key)!r}" for key, value in fixed.items() if getattr(moe, key) != value]
     if moe.shared_expert_intermediate_size % moe.moe_intermediate_size:
         wrong.append(f"shared_expert_intermediate_size={moe.shared_expert_intermediate_size}")
@@ -146,7 +158,7 @@ def deepseek_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "norm_topk_prob": moe.norm_topk_prob,
         "routed_scaling_factor": moe.routed_scaling_factor,
         "scoring_func": fixed["scoring"],
-        "topk_method": "noaux_tc" if v3 else "greedy",
+        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if moe.n_group > 1 else "greedy"),
         "router_aux_loss_coef": moe.router_aux_loss_coef,
     }
     if v3:

@@ -54,6 +54,9 @@ class MoEConfig:
     """Expert groups for grouped top-k (DeepSeek); 1 disables grouping."""
     topk_group: int = 1
     """Groups a token may pick experts from (grouped top-k)."""
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """How a group is ranked: the sum of its two best scores (DeepSeek-V3 noaux_tc) or its best score (V2
+    group_limited_greedy)."""
     e_score_correction_bias: bool = False
     """Learned per-expert bias added to the scores only for the choice (DeepSeek-V3 noaux_tc)."""
     shared_expert_intermediate_size: int = 0
@@ -206,7 +209,10 @@ def route(logits: Tensor, cfg: MoEConfig, bias: Tensor | None = None) -> tuple[T
     if cfg.n_group > 1:
         n = choice.shape[0]
         grouped = choice.view(n, cfg.n_group, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        if cfg.group_score == "max":
+            group_scores = grouped.max(dim=-1).values  # [N, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
         group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, -1)

@@ -46,6 +46,11 @@ CASES = {
     ),
     # V2 greedy softmax routing (always interleaved rope), yarn
     "v2_greedy": ("deepseek_v2", dict(q_lora_rank=24, topk_method="greedy", rope_parameters=YARN)),
+    # V2 / V2.5 grouped routing: groups ranked by their best score
+    "v2_group_limited": (
+        "deepseek_v2",
+        dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5),
+    ),
 }
 
 
@@ -79,6 +84,8 @@ def test_config_fields(pair):
     if case == "v3_yarn_qlora":
         assert (cfg.rope.rope_type, cfg.rope.mscale, cfg.rope.mscale_all_dim) == ("yarn", 0.9, 0.7)
         assert (cfg.moe.scoring, cfg.moe.n_group, cfg.moe.topk_group) == ("sigmoid", 4, 2)
+    if case == "v2_group_limited":
+        assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.group_score) == (4, 2, "max")
     assert all(isinstance(b.attn, MLAParams) for b in model.params.blocks)
     assert [type(b.mlp) for b in model.params.blocks] == [MLPParams, MoEParams, MoEParams]
 
@@ -161,8 +168,8 @@ def test_latent_cache_bytes_per_token(tmp_path, dtype):
 
 def test_unsupported_settings_are_named():
     base = config_to_hf(config_from_hf(_hf("v2_greedy").config.to_dict()))
-    with pytest.raises(UnsupportedModelError, match="topk_method: group_limited_greedy"):
-        config_from_hf(base | {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1})
+    with pytest.raises(UnsupportedModelError, match="topk_method: noaux_tc"):
+        config_from_hf(base | {"topk_method": "noaux_tc"})
     v3 = config_to_hf(config_from_hf(_hf("v3_q_full").config.to_dict()))
     with pytest.raises(UnsupportedModelError, match="moe_layer_freq"):
         config_from_hf(v3 | {"moe_layer_freq": 2})
