@@ -113,3 +113,16 @@ def tiny_model_dir(folder, *, seed: int = 0, max_position_embeddings: int = 2048
     )
     model = Model(config=cfg, params=init_params(cfg, seed=seed), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
     return str(save(model, folder))
+
+
+def randomize_routers(hf, *, weight_std: float = 0.5, bias_std: float = 0.3):
+    """Make MoE routing depend on the input (some families start routers at zero) and give DeepSeek-V3's choice
+    bias (a zero buffer) values, in place; returns `hf`."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, weight_std)
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, bias_std)
+    return hf

@@ -292,12 +292,18 @@ def _decode_attention(
     else:
         _decode_stage1_autotuned[grid](*args, **meta)
     if num_splits > 1:
-        _decode_stage2_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, enable_fp_fusion=True,
-        )  # fmt: skip
+        _merge_splits(mid_o, mid_lse, out, head_dim=head_dim, block_d=block_d)
     return out
+
+
+def _merge_splits(mid_o: Tensor, mid_lse: Tensor, out: Tensor, *, head_dim: int, block_d: int) -> None:
+    """Stage 2 of split-KV decode: combine the per-split partial outputs by their log-sum-exp into `out`."""
+    batch, num_heads, num_splits = mid_o.shape[0], mid_o.shape[1], mid_o.shape[2]
+    _decode_stage2_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, enable_fp_fusion=True,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("astrai::decode_attention", mutates_args=())

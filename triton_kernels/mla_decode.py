@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from triton_kernels._common import autotune_configs, check_last_dim_contiguous, interpreting, upcast
-from triton_kernels.decode_attention import _block_slots, _decode_stage2_kernel, _num_splits
+from triton_kernels.decode_attention import _block_slots, _merge_splits, _num_splits
 
 __all__ = ["keep", "mla_decode", "mla_decode_ref"]
 
@@ -202,11 +202,7 @@ def _mla_decode(
     else:
         _mla_stage1_autotuned[grid](*args, **meta)
     if num_splits > 1:
-        _decode_stage2_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=kv_lora_rank, BLOCK_D=block_r, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, enable_fp_fusion=True,
-        )  # fmt: skip
+        _merge_splits(mid_o, mid_lse, out, head_dim=kv_lora_rank, block_d=block_r)
     return out
 
 

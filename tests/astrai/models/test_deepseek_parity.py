@@ -19,7 +19,7 @@ from astrai.nn.mla import MLAParams
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams
 from astrai.ops.attention import LatentCache
-from helpers import assert_close, save_hf, tiny_hf_model
+from helpers import assert_close, randomize_routers, save_hf, tiny_hf_model
 
 YARN = dict(
     rope_type="yarn",
@@ -57,15 +57,7 @@ CASES = {
 def _hf(case: str):
     family, overrides = CASES[case]
     kw = dict(num_hidden_layers=3, first_k_dense_replace=1, **MLA, **MOE) | overrides
-    hf = tiny_hf_model(family, num_key_value_heads=4, **kw)
-    with torch.no_grad():  # make routing depend on the input, and the V3 choice bias (a zero buffer) matter
-        for name, param in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-        for name, buf in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.3)
-    return hf
+    return randomize_routers(tiny_hf_model(family, num_key_value_heads=4, **kw))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -15,7 +15,7 @@ from astrai.models.decoder import forward, hidden_states
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams, load_balancing_loss
 from astrai.train.step import StepOptions, lm_loss
-from helpers import assert_close, save_hf, tiny_hf_model
+from helpers import assert_close, randomize_routers, save_hf, tiny_hf_model
 
 MOE = dict(num_experts_per_tok=2, num_hidden_layers=3)
 CASES = {
@@ -33,12 +33,7 @@ SPARSE = {"qwen3_moe": (True, False, True), "qwen2_moe": (False, True, False), "
 
 def _hf(case: str):
     family, overrides = CASES[case]
-    hf = tiny_hf_model(family, **MOE, **overrides)
-    with torch.no_grad():  # routers start at zero in some families: make routing depend on the input
-        for name, param in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-    return hf
+    return randomize_routers(tiny_hf_model(family, **MOE, **overrides))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
