@@ -126,3 +126,13 @@ def randomize_routers(hf, *, weight_std: float = 0.5, bias_std: float = 0.3):
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, bias_std)
     return hf
+
+
+def assert_logits_match_hf(model, hf, ids, *, msg: str = "") -> None:
+    """astrai's logits for `ids` equal the transformers model's within 1e-4 of the logit scale (fp32 parity)."""
+    from astrai.models.decoder import forward
+
+    with torch.no_grad():
+        expected = hf(ids).logits
+    actual = forward(model.params, model.config, ids)
+    assert_close(actual, expected, atol=1e-4 * max(expected.abs().max().item(), 1.0), msg=msg)

@@ -5,7 +5,7 @@ import torch
 
 from astrai.io.model import load
 from astrai.models.decoder import check_params, forward, init_params
-from helpers import assert_close, save_hf, tiny_hf_model
+from helpers import assert_close, assert_logits_match_hf, save_hf, tiny_hf_model
 
 PARITY_CASES = {
     "llama-untied": ("llama", {}),
@@ -59,12 +59,7 @@ def test_logits_match_transformers(case, tmp_path):
     family, overrides = PARITY_CASES[case]
     hf = tiny_hf_model(family, **overrides)
     model = load(save_hf(hf, tmp_path))
-    ids = torch.randint(0, hf.config.vocab_size, (2, 21))
-    with torch.no_grad():
-        expected = hf(ids).logits
-    actual = forward(model.params, model.config, ids)
-    scale = expected.abs().max().item()
-    assert_close(actual, expected, atol=1e-4 * max(scale, 1.0), msg=case)
+    assert_logits_match_hf(model, hf, torch.randint(0, hf.config.vocab_size, (2, 21)), msg=case)
 
 
 def test_shapes_dtype_and_logits_positions(tmp_path):

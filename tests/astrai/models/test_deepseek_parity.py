@@ -19,7 +19,7 @@ from astrai.nn.mla import MLAParams
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams
 from astrai.ops.attention import LatentCache
-from helpers import assert_close, randomize_routers, save_hf, tiny_hf_model
+from helpers import assert_close, assert_logits_match_hf, randomize_routers, save_hf, tiny_hf_model
 
 YARN = dict(
     rope_type="yarn",
@@ -84,12 +84,7 @@ def test_config_fields(pair):
 
 def test_logits_match_transformers(pair):
     case, hf, model = pair
-    ids = torch.randint(0, hf.config.vocab_size, (2, 19))
-    with torch.no_grad():
-        expected = hf(ids).logits
-    actual = forward(model.params, model.config, ids)
-    scale = expected.abs().max().item()
-    assert_close(actual, expected, atol=1e-4 * max(scale, 1.0), msg=case)
+    assert_logits_match_hf(model, hf, torch.randint(0, hf.config.vocab_size, (2, 19)), msg=case)
 
 
 def test_dropping_mscale_breaks_parity(tmp_path):

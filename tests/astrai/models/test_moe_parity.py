@@ -15,7 +15,7 @@ from astrai.models.decoder import forward, hidden_states
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams, load_balancing_loss
 from astrai.train.step import StepOptions, lm_loss
-from helpers import assert_close, randomize_routers, save_hf, tiny_hf_model
+from helpers import assert_close, assert_logits_match_hf, randomize_routers, save_hf, tiny_hf_model
 
 MOE = dict(num_experts_per_tok=2, num_hidden_layers=3)
 CASES = {
@@ -46,12 +46,7 @@ def test_logits_match_transformers(pair):
     case, hf, model = pair
     assert tuple(isinstance(b.mlp, MoEParams) for b in model.params.blocks) == SPARSE[case]
     assert all(isinstance(b.mlp, MoEParams | MLPParams) for b in model.params.blocks)
-    ids = torch.randint(0, hf.config.vocab_size, (2, 17))
-    with torch.no_grad():
-        expected = hf(ids).logits
-    actual = forward(model.params, model.config, ids)
-    scale = expected.abs().max().item()
-    assert_close(actual, expected, atol=1e-4 * max(scale, 1.0), msg=case)
+    assert_logits_match_hf(model, hf, torch.randint(0, hf.config.vocab_size, (2, 17)), msg=case)
 
 
 def test_aux_loss_matches_transformers(pair):
