@@ -1,4 +1,4 @@
-"""Engine throughput and latency vs transformers on the same random weights (CPU, SmolLM2-135M-shaped).
+"""Engine throughput and latency vs transformers on the same random weights (SmolLM2-135M-shaped; CPU or CUDA).
 
 Sections (one run, side by side):
   (a) single stream: batch-1 greedy decode tok/s, engine (compiled decode) vs transformers; roofline fraction.
@@ -7,6 +7,7 @@ Sections (one run, side by side):
       `generate`.
   (c) 16 requests sharing an S-token system prompt: prefill tokens computed and wall time, radix on vs off.
   (d) TTFT and inter-token latency p50/p99 of the engine's streams in (b).
+  (e) CUDA only: the engine's decode with and without CUDA graphs ((a) and (b) again with `cuda_graphs=False`).
 The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
 docs/inference.md for why a background engine thread is slower on a 2-core CPU.
 Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds.
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import console, emit, table
+from _common import console, device_peaks, emit, table
 
 import astrai
 from astrai.inference.engine import Engine, EngineConfig
@@ -34,7 +35,7 @@ from configs.models import NAMED
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_engine.json"
 
 
-def build(name: str, dtype: torch.dtype, folder: Path):
+def build(name: str, dtype: torch.dtype, folder: Path, device: str):
     """A random transformers model of the named config and the same weights loaded by astrai."""
     import transformers
 
@@ -43,7 +44,7 @@ def build(name: str, dtype: torch.dtype, folder: Path):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
     hf.save_pretrained(folder)
-    return hf, astrai.load(folder, dtype=dtype)
+    return hf.to(device), astrai.load(folder, dtype=dtype, device=device)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
@@ -54,11 +55,13 @@ def prompts(n: int, length: int, vocab: int, seed: int, prefix: list[int] | None
 def hf_generate(hf, batch: list[list[int]], new: int) -> float:
     """Seconds for transformers' greedy generate of a left-padded batch (exactly `new` tokens each)."""
     width = max(map(len, batch))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -85,19 +88,32 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
 
 
+def single_decode_tok_s(engine: Engine, model, args) -> float:
+    """Batch-1 decode tok/s of the engine (inter-token time only)."""
+    run = engine_run(engine, prompts(1, 32, model.config.vocab_size, 1), args.new)
+    return (args.new - 1) / sum(run["itl"])
+
+
 def section_single(hf, engine: Engine, model, args) -> dict:
     prompt = prompts(1, 32, model.config.vocab_size, 1)
+    hf_generate(hf, prompt, 4)  # warm up (CUDA context, cuBLAS handles) outside the timing
     hf_s = hf_generate(hf, prompt, args.new) - hf_generate(hf, prompt, 1)  # decode only
-    run = engine_run(engine, prompt, args.new)
-    decode_s = sum(run["itl"])
+    engine_tok_s, hf_tok_s = single_decode_tok_s(engine, model, args), (args.new - 1) / hf_s
     weight_bytes = model.nbytes - (0 if model.params.lm_head is None else model.params.embed_tokens.weight.nbytes)
-    engine_tok_s, hf_tok_s = (args.new - 1) / decode_s, (args.new - 1) / hf_s
     return dict(hf_tok_s=hf_tok_s, engine_tok_s=engine_tok_s, speedup=engine_tok_s / hf_tok_s,
                 roofline=weight_bytes * engine_tok_s / (args.bandwidth * 1e9))  # fmt: skip
 
 
+def warm_batch(engine: Engine, model, n: int, args) -> None:
+    """On CUDA, one untimed run of the same shapes (other prompts, so the radix gains nothing): Triton JIT
+    specialisations and cuBLAS heuristics of the mixed prefill steps are set up before the timed run."""
+    if args.device == "cuda":
+        engine_run(engine, prompts(n, args.prompt_len, model.config.vocab_size, 1000 + n), args.new)
+
+
 def section_batch(hf, engine: Engine, model, n: int, args) -> dict:
     batch = prompts(n, args.prompt_len, model.config.vocab_size, n)
+    warm_batch(engine, model, n, args)
     one = min(args.one_by_one, n)
     one_s = sum(hf_generate(hf, [p], args.new) for p in batch[:one]) / one  # per request
     padded_s = hf_generate(hf, batch, args.new)
@@ -125,27 +141,52 @@ def section_prefix(model, args, make_engine) -> dict:
     return out
 
 
+def section_graphs(model, args, make_engine, report: dict) -> dict:
+    """(e) the same decode runs with CUDA graphs off; ratios against the graphed runs of (a) and (b)."""
+    with make_engine(cuda_graphs=False) as engine:
+        warm_up(engine, model, args)
+        single = single_decode_tok_s(engine, model, args)
+        batch = []
+        for n in args.requests:
+            warm_batch(engine, model, n, args)
+            batch.append(engine_run(engine, prompts(n, args.prompt_len, model.config.vocab_size, n), args.new)["tok_s"])
+    rows = [dict(requests=1, graphs_tok_s=report["single"]["engine_tok_s"], no_graphs_tok_s=single)]
+    rows += [dict(requests=b["requests"], graphs_tok_s=b["engine_tok_s"], no_graphs_tok_s=tok_s)
+             for b, tok_s in zip(report["batch"], batch, strict=True)]  # fmt: skip
+    for row in rows:
+        row["speedup"] = row["graphs_tok_s"] / row["no_graphs_tok_s"]
+    return dict(rows=rows)
+
+
+def warm_up(engine: Engine, model, args) -> None:
+    """Compile the steps (and capture the CUDA graphs) for the batch sizes the sections use."""
+    for n in sorted({1, 2, *args.requests}):
+        engine_run(engine, prompts(n, 8, model.config.vocab_size, 99), 3)
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     from bench_forward import memory_bandwidth_gbs
 
-    args.bandwidth = memory_bandwidth_gbs(256 if args.smoke else 1024)
+    cuda = args.device == "cuda"
+    args.bandwidth = (device_peaks(torch.cuda.get_device_name())[0] / 1e9 if cuda
+                      else memory_bandwidth_gbs(256 if args.smoke else 1024))  # fmt: skip
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        hf, model = build(args.config, dtype, Path(tmp))
+        hf, model = build(args.config, dtype, Path(tmp), args.device)
 
-    def make_engine(prefix_cache: bool = True) -> Engine:
+    def make_engine(prefix_cache: bool = True, cuda_graphs: bool = True) -> Engine:
         cfg = EngineConfig(max_running=max(args.requests), max_step_tokens=args.step_tokens, compile=True,
-                           prefix_cache=prefix_cache, background=False)  # fmt: skip
+                           prefix_cache=prefix_cache, background=False, cuda_graphs=cuda_graphs)  # fmt: skip
         return Engine(model, cfg)
 
-    report = dict(benchmark="bench_engine", config=args.config, dtype=args.dtype, threads=torch.get_num_threads(),
-                  machine=platform.processor() or platform.machine(), torch=torch.__version__,
+    machine = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
+    report = dict(benchmark="bench_engine", config=args.config, dtype=args.dtype, device=args.device,
+                  threads=torch.get_num_threads(), machine=machine, torch=torch.__version__,
                   memory_read_gbs=args.bandwidth, prompt_len=args.prompt_len, new_tokens=args.new)  # fmt: skip
     with make_engine() as engine:
         console.print("[dim]warming up (compiles the decode step for a few batch shapes)...[/]")
-        for n in sorted({1, 2, *args.requests}):
-            engine_run(engine, prompts(n, 8, model.config.vocab_size, 99), 3)
+        warm_up(engine, model, args)
         console.print("[dim](a) single stream...[/]")
         report["single"] = section_single(hf, engine, model, args)
         report["batch"] = []
@@ -154,6 +195,9 @@ def run(args) -> dict:
             report["batch"].append(section_batch(hf, engine, model, n, args))
     console.print("[dim](c) shared system prompt, radix on/off...[/]")
     report["prefix"] = section_prefix(model, args, make_engine)
+    if cuda:
+        console.print("[dim](e) CUDA graphs off...[/]")
+        report["graphs"] = section_graphs(model, args, make_engine, report)
     return report
 
 
@@ -176,6 +220,10 @@ def show(r: dict) -> None:
     console.print(table(f"(c) 16 requests sharing a system prompt: {p['fewer_prefill_tokens']:.1f}x fewer prefill "
                         f"tokens, {p['speedup']:.2f}x faster", rows,
                         [("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f")]))  # fmt: skip
+    if "graphs" in r:
+        console.print(table("(e) engine decode tok/s with and without CUDA graphs", r["graphs"]["rows"],
+                            [("requests", ""), ("graphs_tok_s", ".0f"), ("no_graphs_tok_s", ".0f"),
+                             ("speedup", ".2f")]))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-new", type=int, default=16)
     parser.add_argument("--step-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

@@ -46,6 +46,8 @@ class ServeConfig:
     """Device, e.g. cuda; default cpu."""
     compile: bool = True
     """torch.compile the decode step (first requests wait for the compile)."""
+    cuda_graphs: bool = True
+    """CUDA: replay decode steps from CUDA graphs, captured for every batch bucket at start (dense models)."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
     embeddings: bool = False
@@ -68,7 +70,7 @@ def main(cfg: ServeConfig) -> None:
     model = load_model(cfg.model, cfg.dtype, cfg.device)
     engine = Engine(model, EngineConfig(max_running=cfg.max_running, max_waiting=cfg.max_waiting,
                                         kv_budget_tokens=cfg.kv_budget, page_size=cfg.page_size,
-                                        compile=cfg.compile))  # fmt: skip
+                                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs))  # fmt: skip
     name = cfg.served_model_name or cfg.model.resolve().name
     embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
     app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,

@@ -61,7 +61,10 @@ class EngineConfig:
     prefix_cache: bool = True
     """Share K/V of common prefixes through the radix cache."""
     compile: bool = True
-    """torch.compile the decode step and the sampler (CUDA graphs on CUDA)."""
+    """torch.compile the decode step and the sampler."""
+    cuda_graphs: bool = True
+    """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured on first use (dense GQA models;
+    MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
     seed: int | None = None
     """Seed for the seeds of requests that give none (None: random)."""
     background: bool = True
@@ -175,7 +178,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len)  # fmt: skip
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile,
-                                  max_running=cfg.max_running)  # fmt: skip
+                                  max_running=cfg.max_running, max_model_len=self.max_model_len,
+                                  cuda_graphs=cfg.cuda_graphs)  # fmt: skip
         self._rng = random.Random(cfg.seed)
         self._arrival = itertools.count()
         self._tracked: dict[str, _Tracked] = {}

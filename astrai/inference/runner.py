@@ -1,21 +1,22 @@
 """The device side of the engine: turns a scheduled step into one forward + one sampling call.
 
 A step whose sequences all feed exactly one token and all sample is a *decode* step: it runs `decode_step`
-(compiled; on CUDA over padded batch buckets, whose padding rows write to the null page and attend to
-nothing). Any other step (prefill chunks, prefix-hit extends, mixed with decodes) runs `prefill_step` over the
-flattened tokens with `logits_positions` = the rows that sample. Sampling is a separate (compiled) call on the
-sampled rows only.
+(compiled with a symbolic batch size; on CUDA replayed from per-bucket CUDA graphs, `astrai.inference.graphs`,
+whose padding rows write to the null page and attend to nothing). Any other step (prefill chunks, prefix-hit
+extends, mixed with decodes) runs `prefill_step` over the flattened tokens with `logits_positions` = the rows
+that sample. Sampling is a separate (compiled) call on the sampled rows only.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from astrai.inference.cache import NULL_PAGE, init_kv_cache
+from astrai.inference.cache import NULL_PAGE, init_kv_cache, pages_needed
+from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.request import Request
 from astrai.inference.sampler import SampleOutput, make_sampling_batch, sample
 from astrai.inference.scheduler import ScheduledSeq
@@ -28,39 +29,70 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
-    # batch size and block-table width change from step to step: compile them as symbolic sizes from the start
-    # (CPU), instead of recompiling once per new size
+    # batch size and block-table width change from step to step: compile them as symbolic sizes from the start,
+    # instead of recompiling once per new size
     for t in (tokens, meta.positions, meta.slot_mapping, meta.seq_lens, meta.cu_seqlens_q, meta.block_table):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
 
 
 def bucket(n: int, limit: int) -> int:
-    """Smallest decode bucket >= n (CUDA batch sizes are padded up to it, so compiled graphs are reused)."""
+    """Smallest decode bucket >= n (batch sizes are padded up to it, so each bucket's CUDA graph is reused)."""
     return next((b for b in DECODE_BUCKETS if b >= n), max(n, limit))
+
+
+def graphs_supported(model: Model) -> bool:
+    """CUDA graphs need a step with no host sync: dense GQA models (MoE dispatch reads expert counts)."""
+    return model.config.ffn_type == "mlp" and model.config.attn_type == "gqa"
 
 
 class ModelRunner:
     """Owns the KV pool tensors and the compiled steps; executes scheduled steps."""
 
-    def __init__(self, model: Model, *, num_pages: int, page_size: int, compile: bool, max_running: int) -> None:
+    def __init__(
+        self,
+        model: Model,
+        *,
+        num_pages: int,
+        page_size: int,
+        compile: bool,
+        max_running: int,
+        max_model_len: int,
+        cuda_graphs: bool = True,
+    ) -> None:
         self.model, self.cfg = model, model.config
         self.device, self.page_size, self.max_running = model.device, page_size, max_running
+        self.max_width = pages_needed(max_model_len, page_size)
         self.cache = init_kv_cache(self.cfg, num_pages, page_size, dtype=model.dtype, device=self.device)
         self.cuda = self.device.type == "cuda"
         self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg)
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg)
-        self.compiled_decode: Callable | None = None
-        if compile:
-            # CUDA: static shapes over padded batch buckets (one graph per bucket). CUDA graphs
-            # (mode="reduce-overhead") are not used yet: capture from the engine thread recorded an empty graph
-            # on the H200 (see docs/inference.md). CPU: dynamic shapes (a handful of graphs cover all sizes).
-            self.compiled_decode = compile_step(decode_step, cfg=self.cfg, dynamic=False if self.cuda else None)
+        # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
+        # capture it once per batch bucket
+        self.compiled_decode = compile_step(decode_step, cfg=self.cfg) if compile else None
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
+        self.graphs = None
+        if self.cuda and cuda_graphs and graphs_supported(model):
+            self.graphs = self.make_decode_graphs(capture=True)
+            self.graphs.capture_all([b for b in DECODE_BUCKETS if b < self.graphs.max_rows] + [self.graphs.max_rows])
+
+    def make_decode_graphs(self, *, capture: bool) -> DecodeGraphs:
+        """Decode over preallocated per-bucket rows; `capture` replays CUDA graphs (tests use False on CPU)."""
+        decode, params, cache = self.compiled_decode or self.eager_decode, self.model.params, self.cache
+
+        def step(tokens: Tensor, meta: AttnMeta) -> Tensor:
+            if self.compiled_decode is not None:
+                _mark_dynamic(tokens, meta)
+            return decode(params, tokens, meta, cache)
+
+        return DecodeGraphs(step, max_rows=bucket(self.max_running, self.max_running), width=self.max_width,
+                            page_size=self.page_size, device=self.device, capture=capture)  # fmt: skip
 
     # ---- metadata ---------------------------------------------------------------------------------------
-    def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
-        """Tokens and metadata for `plan`, padded to `rows` requests and a `width`-page block table."""
+    def _host_meta(
+        self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int
+    ) -> tuple[Tensor, AttnMeta]:
+        """Host tokens and metadata for `plan`, padded to `rows` requests and a `width`-page block table."""
         page = self.page_size
         table = torch.full((rows, width), NULL_PAGE, dtype=torch.int32)
         tokens, positions, slots, seq_lens, cu = [], [], [], [], [0]
@@ -89,15 +121,17 @@ class ModelRunner:
             page_size=page,
             decode=decode,
         )
-        tokens_t = torch.tensor(tokens, dtype=torch.int64).to(self.device)
-        return tokens_t, tree_map(lambda t: t.to(self.device), meta)
+        return torch.tensor(tokens, dtype=torch.int64), meta
+
+    def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
+        """`_host_meta` moved to the device."""
+        tokens, meta = self._host_meta(plan, decode=decode, rows=rows, width=width)
+        return tokens.to(self.device), tree_map(lambda t: t.to(self.device), meta)
 
     def _width(self, plan: Sequence[ScheduledSeq]) -> int:
-        # CUDA takes one table width (static shapes; the kernels' cost follows seq_lens, not the width); the CPU path
-        # gathers the whole width, so it gets the smallest power of two that fits
+        # the smallest power of two that fits (the CPU path gathers the whole width, so it should stay small;
+        # with symbolic sizes a new width costs no recompile)
         need = max(len(item.seq.pages) for item in plan)
-        if self.cuda:
-            return max(need, -(-self.cfg.max_position_embeddings // self.page_size))
         return max(2, 1 << max(0, need - 1).bit_length())  # >= 2: a width of 1 would get its own specialised graph
 
     # ---- one step -----------------------------------------------------------------------------------------
@@ -111,12 +145,15 @@ class ModelRunner:
         sampling = [i for i, item in enumerate(plan) if item.sample]
         decode = all(item.num_new == 1 for item in plan) and len(sampling) == len(plan)
         if decode:
-            rows = bucket(len(plan), self.max_running) if (self.cuda and self.compiled_decode) else len(plan)
-            tokens, meta = self._meta(plan, decode=True, rows=rows, width=self._width(plan))
-            if self.compiled_decode is not None and not self.cuda:
-                _mark_dynamic(tokens, meta)
-            step = self.compiled_decode or self.eager_decode
-            logits = step(self.model.params, tokens, meta, self.cache)[: len(plan)]
+            n, need = len(plan), max(len(item.seq.pages) for item in plan)
+            if self.graphs is not None and self.graphs.fits(bucket(n, self.max_running), need):
+                tokens, meta = self._host_meta(plan, decode=True, rows=bucket(n, self.max_running), width=need)
+                logits = self.graphs.run(tokens, meta)[:n]
+            else:
+                tokens, meta = self._meta(plan, decode=True, rows=n, width=self._width(plan))
+                if self.compiled_decode is not None:
+                    _mark_dynamic(tokens, meta)
+                logits = (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
         else:
             tokens, meta = self._meta(plan, decode=False, rows=len(plan), width=self._width(plan))
             last = meta.cu_seqlens_q[1:].long() - 1  # [B] each sequence's last fed token

@@ -121,6 +121,18 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_pos: int) -> tuple[Tensor
     raise ValueError(f"unsupported rope_type {rope.rope_type!r}; supported: {ROPE_TYPES}")
 
 
+_DEVICE_INV_FREQ: dict[tuple, tuple[Tensor, float]] = {}
+
+
+def _device_inv_freq(rope: RopeConfig, head_dim: int, max_pos: int, device: torch.device) -> tuple[Tensor, float]:
+    """`rope_inv_freq` moved to `device`, computed once per (schedule, shape, device)."""
+    key = (rope, head_dim, max_pos, device)
+    if key not in _DEVICE_INV_FREQ:
+        inv_freq, scale = rope_inv_freq(rope, head_dim, max_pos)
+        _DEVICE_INV_FREQ[key] = (inv_freq.to(device), scale)
+    return _DEVICE_INV_FREQ[key]
+
+
 def _dynamic_inv_freq(rope: RopeConfig, dim: int, max_pos: int, positions: Tensor) -> Tensor:
     # NTK base growth from the longest position of this call; below max_pos the base is unchanged.
     seq_len = torch.clamp(positions.max() + 1, min=max_pos).to(torch.float32)
@@ -145,9 +157,11 @@ def rope_cos_sin(
     """
     if rope.rope_type == "dynamic":
         inv_freq, scale = _dynamic_inv_freq(rope, head_dim, max_position_embeddings, positions), 1.0
-    else:
+    elif torch.compiler.is_compiling():  # traced: constants the graph folds
         inv_freq, scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
         inv_freq = inv_freq.to(positions.device)
+    else:  # eager: no host-to-device copy per call (a CUDA graph capture forbids one)
+        inv_freq, scale = _device_inv_freq(rope, head_dim, max_position_embeddings, positions.device)
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
     cos, sin = freqs.cos(), freqs.sin()
     if scale != 1.0:

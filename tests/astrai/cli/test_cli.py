@@ -65,7 +65,7 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "astrai.cli.main", "serve", "--model", model_dir, "--port", str(port),
-         "--no-compile", "--served-model-name", "cli-model", "--api-key", "k"],
+         "--no-compile", "--no-cuda-graphs", "--served-model-name", "cli-model", "--api-key", "k"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

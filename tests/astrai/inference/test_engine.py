@@ -211,7 +211,54 @@ def test_compiled_decode_equals_eager(pair, prompts, reference, background):
     _, model = pair
     with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048, background=background)) as engine:
         results = engine.generate(prompts[:5], GREEDY)
+        if DEVICE == "cuda":  # the compiled step was captured and replayed as CUDA graphs
+            assert engine.runner.graphs is not None and engine.runner.graphs.graphs
     assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
+
+
+def test_decode_buffers_pad_batches_to_buckets_without_stale_rows(pair, prompts, reference):
+    """The CUDA-graph input rows (captured on CUDA, called directly elsewhere): batches padded up to buckets, a
+    smaller batch reusing rows a larger one left behind, block tables narrower than the buffers."""
+    _, model = pair
+    cfg = EngineConfig(page_size=4, max_running=16, compile=False, kv_budget_tokens=4096, background=False,
+                       max_step_tokens=48)  # fmt: skip
+    with Engine(model, cfg) as engine:
+        runner = engine.runner
+        if runner.graphs is None:
+            runner.graphs = runner.make_decode_graphs(capture=False)
+        graphs, run, steps = runner.graphs, runner.graphs.run, []
+
+        def record(tokens, meta):
+            steps.append((tokens.shape[0], int((meta.seq_lens > 0).sum())))
+            return run(tokens, meta)
+
+        graphs.run = record
+        handles = [engine.submit(p, GREEDY) for p in prompts[:7]]
+        for _ in range(6):
+            engine.step()
+        handles += [engine.submit(p, GREEDY) for p in prompts[7:12]]
+        handles[0].result()
+        handles += [engine.submit(p, GREEDY) for p in prompts[12:]]
+        results = [h.result() for h in handles]
+        assert [list(r.outputs[0].token_ids) for r in results] == reference
+        assert len({rows for rows, _ in steps}) >= 3  # several buckets
+        assert any(real < rows for rows, real in steps)  # padded batches
+        assert [rows for rows, _ in steps] != sorted(rows for rows, _ in steps)  # and smaller after larger
+        if DEVICE == "cuda":  # every bucket up to max_running was captured at start
+            assert set(graphs.graphs) == {1, 2, 4, 8, 16}
+        with pytest.raises(ValueError, match="exceeds the buffers"):
+            run(torch.zeros(64, dtype=torch.long), runner._host_meta([], decode=True, rows=64, width=2)[1])
+        _assert_idle_and_clean(engine)
+
+
+@pytest.mark.gpu
+def test_cuda_decode_without_graphs_equals_transformers(pair, prompts, reference):
+    _, model = pair
+    cfg = EngineConfig(compile=True, cuda_graphs=False, kv_budget_tokens=2048, background=False)
+    with Engine(model, cfg) as engine:
+        assert engine.runner.graphs is None
+        results = engine.generate(prompts[:6], GREEDY)
+    assert [list(r.outputs[0].token_ids) for r in results] == reference[:6]
 
 
 def test_foreground_engine_steps_on_the_calling_thread(pair, prompts, reference):
