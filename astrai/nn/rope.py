@@ -12,6 +12,7 @@ in-graph without a host sync. Not supported: longrope, partial rotary (rotary di
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -121,16 +122,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_pos: int) -> tuple[Tensor
     raise ValueError(f"unsupported rope_type {rope.rope_type!r}; supported: {ROPE_TYPES}")
 
 
-_DEVICE_INV_FREQ: dict[tuple, tuple[Tensor, float]] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _device_inv_freq(rope: RopeConfig, head_dim: int, max_pos: int, device: torch.device) -> tuple[Tensor, float]:
-    """`rope_inv_freq` moved to `device`, computed once per (schedule, shape, device)."""
-    key = (rope, head_dim, max_pos, device)
-    if key not in _DEVICE_INV_FREQ:
-        inv_freq, scale = rope_inv_freq(rope, head_dim, max_pos)
-        _DEVICE_INV_FREQ[key] = (inv_freq.to(device), scale)
-    return _DEVICE_INV_FREQ[key]
+    """`rope_inv_freq` moved to `device`, memoised: computed on the CPU like transformers, copied once."""
+    inv_freq, scale = rope_inv_freq(rope, head_dim, max_pos)
+    return inv_freq.to(device), scale
 
 
 def _dynamic_inv_freq(rope: RopeConfig, dim: int, max_pos: int, positions: Tensor) -> Tensor:

@@ -15,10 +15,10 @@ from astrai.nn.mla import (
     mla_decode_ref,
     mla_dense,
     mla_extend_ref,
-    mla_paged_attention,
     mla_softmax_scale,
 )
 from astrai.nn.rope import RopeConfig, rope_cos_sin
+from astrai.ops.mla import mla_paged_attention
 from astrai.tree import from_named_tensors, named_tensors
 from helpers import assert_close
 
