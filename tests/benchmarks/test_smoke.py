@@ -11,18 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(
-    "script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py", "bench_train.py"]
-)
-def test_smoke_mode_reports_json(script, tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+def _smoke(script: str, tmp_path: Path, *, timeout: int, **env: str) -> dict:
+    """Run `benchmarks/<script> --smoke`; its last stdout line is the JSON report, also written to --out."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path / "out.json")],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == json.loads((tmp_path / "out.json").read_text())
+    return report
+
+
+@pytest.mark.parametrize(
+    "script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py", "bench_train.py"]
+)
+def test_smoke_mode_reports_json(script, tmp_path):
+    report = _smoke(script, tmp_path, timeout=600, TRITON_INTERPRET="1")
     if "rows" in report:  # kernel smokes compare against their references
         assert report["rows"] and all(row["ok"] for row in report["rows"])
     elif report.get("benchmark") == "bench_train":  # the three steps agreed on the losses and all were measured
@@ -39,14 +44,7 @@ def test_smoke_mode_reports_json(script, tmp_path):
 
 def test_serve_smoke_reports_json(tmp_path):
     """bench_serve: the HTTP run (client in its own process) and the engine run both produced every token."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--smoke", "--out", str(tmp_path / "out.json")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == json.loads((tmp_path / "out.json").read_text())
+    report = _smoke("bench_serve.py", tmp_path, timeout=300)
     expected = report["requests"] * report["new_tokens"]
     assert [(r["errors"], r["tokens"]) for r in report["results"]] == [(0, expected)] * 2
     assert report["client"] == "separate process" and all(r["output_tok_s"] > 0 for r in report["results"])
@@ -54,14 +52,7 @@ def test_serve_smoke_reports_json(tmp_path):
 
 def test_moe_smoke_reports_json(tmp_path):
     """bench_moe: the logits check passed, every variant and shape has a positive rate, the KV table is filled."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--smoke", "--out", str(tmp_path / "out.json")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == json.loads((tmp_path / "out.json").read_text())
+    report = _smoke("bench_moe.py", tmp_path, timeout=600)
     check = report["logits_check"]
     assert check["ok"] and check["max_abs_diff"] <= check["tolerance"]
     variants = {"astrai", "astrai_compiled", "hf_eager", "hf_eager_loop"}
