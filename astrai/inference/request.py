@@ -71,6 +71,15 @@ class Request:
         """Prompt followed by the generated tokens."""
         return self.prompt + self.outputs
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """`all_tokens[start:end]` without building `all_tokens` (the engine's per-step hot path)."""
+        prompt_len = len(self.prompt)
+        if start >= prompt_len:
+            return self.outputs[start - prompt_len : end - prompt_len]
+        if end <= prompt_len:
+            return self.prompt[start:end]
+        return self.prompt[start:] + self.outputs[: end - prompt_len]
+
     @property
     def num_tokens(self) -> int:
         """len(prompt) + len(outputs)."""

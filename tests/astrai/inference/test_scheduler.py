@@ -146,3 +146,11 @@ def test_random_workloads_finish_without_leaks(specs, page_size, pages, radix):
     if radix:
         sched.radix.reset()
     assert sched.pool.num_free == pages - 1
+
+
+def test_token_slices_match_all_tokens():
+    req = _req(0, [5, 6, 7, 8])
+    req.outputs += [9, 10, 11]
+    for start in range(req.num_tokens + 1):
+        for end in range(start, req.num_tokens + 1):
+            assert req.tokens(start, end) == req.all_tokens[start:end], (start, end)
