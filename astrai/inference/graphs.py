@@ -102,7 +102,18 @@ class DecodeGraphs:
         with torch.inference_mode():
             for rows in sorted(buckets, reverse=True):
                 if rows not in self.graphs:
-                    self._capture(rows)
+                    self._capture_or_explain(rows)
+
+    def _capture_or_explain(self, rows: int) -> None:
+        try:
+            self._capture(rows)
+        except Exception as e:
+            hint = ("lower kv_memory_fraction (the KV pool takes that share of the free memory first) or "
+                    if isinstance(e, torch.cuda.OutOfMemoryError) else "")  # fmt: skip
+            raise RuntimeError(
+                f"capturing the CUDA graph of the decode step for batch {rows} failed ({type(e).__name__}: {e}); "
+                f"{hint}run without graphs: EngineConfig(cuda_graphs=False), `astrai serve --no-cuda-graphs`"
+            ) from e
 
     def fits(self, rows: int, width: int) -> bool:
         """Whether a step of `rows` rows and a `width`-page block table fits the buffers."""
@@ -120,7 +131,7 @@ class DecodeGraphs:
             raise ValueError(f"decode step of {rows} rows x {width} pages exceeds the buffers "
                              f"({self.max_rows} x {self.width})")  # fmt: skip
         if self.capture and rows not in self.graphs:
-            self._capture(rows)
+            self._capture_or_explain(rows)
         if width < self.width:
             self.block_table[:rows, width:].fill_(NULL_PAGE)
         self._fill(tokens, meta)

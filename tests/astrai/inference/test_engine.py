@@ -273,3 +273,16 @@ def test_foreground_engine_steps_on_the_calling_thread(pair, prompts, reference)
         stream.close()  # aborts at once: no step needed to release the KV
         _assert_idle_and_clean(engine)
         assert not engine.step()
+
+
+def test_failed_graph_capture_names_the_way_out(pair, monkeypatch):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, max_running=4, background=False)) as engine:
+        graphs = engine.runner.make_decode_graphs(capture=True)
+
+        def out_of_memory(rows):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        monkeypatch.setattr(graphs, "_capture", out_of_memory)
+        with pytest.raises(RuntimeError, match=r"batch 4 failed.*lower kv_memory_fraction.*cuda_graphs=False"):
+            graphs.capture_all([1, 2, 4])
