@@ -35,7 +35,7 @@ from astrai.data.batch import LMBatch, document_ids
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, hidden_states, lm_head_weight
 from astrai.nn.embedding import embed
-from astrai.nn.moe import load_balancing_loss
+from astrai.nn.moe import load_balancing_loss, router_stats
 from astrai.nn.norm import rms_norm
 from astrai.train.fsdp import clip_sharded_, gather_tree
 from astrai.train.loss import chunked_cross_entropy
@@ -96,6 +96,20 @@ def lm_loss(
     `packed=False` promises one document per row (pretraining windows): attention takes the plain causal path
     instead of building a document mask.
     """
+    loss, task, _ = lm_loss_and_router_stats(params, batch, norm, cfg=cfg, opts=opts, packed=packed)
+    return loss, task
+
+
+def lm_loss_and_router_stats(
+    params: DecoderParams,
+    batch: LMBatch,
+    norm: Tensor,
+    *,
+    cfg: ModelConfig,
+    opts: StepOptions,
+    packed: bool = True,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """`lm_loss` plus the MoE routers' detached statistics (`astrai.nn.moe.router_stats`; {} for dense models)."""
     with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
         embeds = None
         if opts.neftune_alpha > 0:
@@ -123,11 +137,13 @@ def lm_loss(
         chunk_size=opts.ce_chunk,
         label_smoothing=opts.label_smoothing,
     )
-    loss = task
-    if cfg.ffn_type == "moe" and moe_aux is not None and opts.moe_aux_loss_coef:
-        # token-weighted so that summing micro-batch losses / norm gives coef * (token-weighted mean aux)
-        loss = loss + opts.moe_aux_loss_coef * load_balancing_loss(moe_aux) * batch.loss_mask.sum()
-    return loss / norm, task.detach()
+    loss, stats = task, {}
+    if cfg.ffn_type == "moe" and moe_aux is not None:
+        stats = {k: v.detach() for k, v in router_stats(moe_aux).items()}
+        if opts.moe_aux_loss_coef:
+            # token-weighted so that summing micro-batch losses / norm gives coef * (token-weighted mean aux)
+            loss = loss + opts.moe_aux_loss_coef * load_balancing_loss(moe_aux) * batch.loss_mask.sum()
+    return loss / norm, task.detach(), stats
 
 
 def _full_params(frozen: Any, trainable: Any) -> Any:
@@ -181,7 +197,8 @@ class TrainStep:
 
     def _loss(self, trainable: Any, batch: LMBatch, norm: Tensor, packed: bool, *, cfg: ModelConfig,
               opts: StepOptions):  # fmt: skip
-        return lm_loss(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed)
+        return lm_loss_and_router_stats(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts,
+                                        packed=packed)  # fmt: skip
 
     def __call__(self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float) -> dict[str, Tensor]:
         """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics."""
@@ -194,22 +211,26 @@ class TrainStep:
             dist.all_reduce(tokens)
         norm = tokens.clamp(min=1.0)
         total = torch.zeros((), device=device)
+        stats: dict[str, Tensor] = {}  # router statistics summed over micro-batches (and ranks below)
         for mb in micro_batches:
             trainable = gather_tree(state.trainable) if self.sharded else state.trainable
-            loss, task_sum = self.loss(trainable, mb, norm, is_packed(mb))
+            loss, task_sum, mb_stats = self.loss(trainable, mb, norm, is_packed(mb))
             loss.backward()
             total += task_sum
+            for name, value in mb_stats.items():
+                stats[name] = stats.get(name, 0) + value
         params = leaves(state.trainable)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if self.sharded:  # the backward already reduce-scattered the gradients into the shards
-            _all_reduce_sum_([total])
+            _all_reduce_sum_([total, *stats.values()])
             grad_norm = clip_sharded_(grads, self.opts.max_grad_norm)
         else:
             if world > 1:
-                _all_reduce_sum_([total, *grads])
+                _all_reduce_sum_([total, *stats.values(), *grads])
             grad_norm = clip_grad_norm_(grads, self.opts.max_grad_norm)
         with torch.no_grad():
             adamw_update_(state.trainable, grads, state.opt, lr=lr, cfg=self.optim, decay=self.decay)
         for p in params:
             p.grad = None
-        return {"loss": total / norm, "grad_norm": grad_norm, "tokens": tokens}
+        means = {name: value / (len(micro_batches) * world) for name, value in stats.items()}
+        return {"loss": total / norm, "grad_norm": grad_norm, "tokens": tokens, **means}

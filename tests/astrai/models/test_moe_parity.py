@@ -14,7 +14,9 @@ from astrai.io.model import load
 from astrai.models.decoder import forward, hidden_states
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams, load_balancing_loss
-from astrai.train.step import StepOptions, lm_loss
+from astrai.train.optim import AdamWConfig
+from astrai.train.step import StepOptions, TrainStep, init_train_state, lm_loss
+from astrai.tree import tree_map
 from helpers import assert_close, assert_logits_match_hf, randomize_routers, save_hf, tiny_hf_model
 
 MOE = dict(num_experts_per_tok=2, num_hidden_layers=3)
@@ -80,6 +82,35 @@ def test_train_loss_with_aux_matches_transformers(pair):
     loss, task = lm_loss(model.params, batch, batch.loss_mask.sum(), cfg=model.config, opts=opts, packed=False)
     assert_close(loss, expected, atol=1e-5, msg=case)
     assert_close(task / 18, ce, atol=1e-5, msg=case)
+
+
+def test_train_step_reports_router_stats_from_transformers_routers(pair):
+    """The step's moe_* metrics (averaged over micro-batches) against statistics of transformers' router logits."""
+    case, hf, model = pair
+    k, batches = hf.config.num_experts_per_tok, []
+    for seed in range(2):
+        tokens = torch.randint(0, hf.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(seed))
+        batches.append(LMBatch(tokens=tokens[:, :-1], targets=tokens[:, 1:], loss_mask=torch.ones(2, 9),
+                               positions=torch.arange(9).repeat(2, 1)))  # fmt: skip
+    expected = {"moe_entropy": [], "moe_load_max": [], "moe_dead_fraction": []}
+    with torch.no_grad():
+        for batch in batches:
+            layers = [lg.float() for lg in hf(batch.tokens, output_router_logits=True).router_logits if lg is not None]
+            entropy, load, dead = [], [], []
+            for logits in layers:  # [N, E] of each MoE layer
+                probs = logits.softmax(-1)
+                counts = torch.bincount(probs.topk(k, -1).indices.reshape(-1), minlength=probs.shape[-1]).float()
+                entropy.append(-(probs * probs.log()).sum(-1).mean())
+                load.append(counts.max() / (probs.shape[0] * k / probs.shape[-1]))
+                dead.append((counts == 0).float().mean())
+            for name, values in zip(expected, (entropy, load, dead), strict=True):
+                expected[name].append(torch.stack(values).mean())
+    step = TrainStep(model.config, StepOptions(compile=False), AdamWConfig(lr=1e-3), trainable=model.params)
+    state = init_train_state(tree_map(torch.clone, model.params), AdamWConfig(lr=1e-3))  # the fixture stays intact
+    metrics = step(state, batches, lr=1e-3)
+    for name, values in expected.items():
+        assert_close(metrics[name], torch.stack(values).mean(), atol=1e-5, msg=f"{case} {name}")
+    assert metrics["moe_aux_loss"] > 0
 
 
 def test_save_then_transformers_loads_same_logits(pair, tmp_path):
