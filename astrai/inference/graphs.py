@@ -91,7 +91,7 @@ class DecodeGraphs:
                 self._call(rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (the server's event loop) may touch CUDA while the engine thread captures
+        # thread_local: other threads may use CUDA while this one captures (a bucket captured late, while serving)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._call(rows)
         self._pool = graph.pool()
