@@ -180,7 +180,7 @@ class _Run:
         for batch in batches:
             batch = to_device(batch, self.device)
             one = torch.ones((), device=self.device)
-            _, task_sum = lm_loss(params, batch, one, cfg=self.model_cfg, opts=self.opts, packed=is_packed(batch))
+            _, task_sum, _ = lm_loss(params, batch, one, cfg=self.model_cfg, opts=self.opts, packed=is_packed(batch))
             total += task_sum
             count += batch.loss_mask.sum()
         if self.dist.world_size > 1:

@@ -90,26 +90,13 @@ def lm_loss(
     cfg: ModelConfig,
     opts: StepOptions,
     packed: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """(loss to backpropagate = (task sum + coef * MoE aux * trained tokens) / norm, detached task sum).
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """(loss to backpropagate = (task sum + coef * MoE aux * trained tokens) / norm, detached task sum, the MoE
+    routers' detached statistics (`astrai.nn.moe.router_stats`; {} for dense models)).
 
     `packed=False` promises one document per row (pretraining windows): attention takes the plain causal path
     instead of building a document mask.
     """
-    loss, task, _ = lm_loss_and_router_stats(params, batch, norm, cfg=cfg, opts=opts, packed=packed)
-    return loss, task
-
-
-def lm_loss_and_router_stats(
-    params: DecoderParams,
-    batch: LMBatch,
-    norm: Tensor,
-    *,
-    cfg: ModelConfig,
-    opts: StepOptions,
-    packed: bool = True,
-) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """`lm_loss` plus the MoE routers' detached statistics (`astrai.nn.moe.router_stats`; {} for dense models)."""
     with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
         embeds = None
         if opts.neftune_alpha > 0:
@@ -197,8 +184,7 @@ class TrainStep:
 
     def _loss(self, trainable: Any, batch: LMBatch, norm: Tensor, packed: bool, *, cfg: ModelConfig,
               opts: StepOptions):  # fmt: skip
-        return lm_loss_and_router_stats(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts,
-                                        packed=packed)  # fmt: skip
+        return lm_loss(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed)
 
     def __call__(self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float) -> dict[str, Tensor]:
         """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics."""

@@ -79,7 +79,7 @@ def test_train_loss_with_aux_matches_transformers(pair):
         ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), batch.targets.reshape(-1))
         expected = ce + coef * out.aux_loss
     opts = StepOptions(compile=False, moe_aux_loss_coef=coef)
-    loss, task = lm_loss(model.params, batch, batch.loss_mask.sum(), cfg=model.config, opts=opts, packed=False)
+    loss, task, _ = lm_loss(model.params, batch, batch.loss_mask.sum(), cfg=model.config, opts=opts, packed=False)
     assert_close(loss, expected, atol=1e-5, msg=case)
     assert_close(task / 18, ce, atol=1e-5, msg=case)
 

@@ -46,7 +46,7 @@ def test_steps_match_transformers_and_torch_adamw(family, tmp_path):
         batch = _batch(2, 12, cfg.vocab_size, seed=i)
         # our gradients, straight from the loss, before the step consumes them
         norm = batch.loss_mask.sum()
-        loss, _ = lm_loss(state.trainable, batch, norm, cfg=cfg, opts=step.opts)
+        loss, _, _ = lm_loss(state.trainable, batch, norm, cfg=cfg, opts=step.opts)
         ours = dict(
             zip(
                 named_tensors(state.trainable),
@@ -88,7 +88,7 @@ def test_packed_row_loss_equals_separate_documents():
         positions=torch.cat([torch.arange(n) for n in lengths])[None],
     )
     one = torch.ones(())
-    _, packed_sum = lm_loss(params, packed, one, cfg=cfg, opts=opts)
+    packed_sum = lm_loss(params, packed, one, cfg=cfg, opts=opts)[1]
     separate = sum(lm_loss(params, d, one, cfg=cfg, opts=opts)[1] for d in docs)
     assert_close(packed_sum, separate, atol=1e-4)
     # the same row read as one long document gives a different loss (so the comparison can fail)
