@@ -13,7 +13,7 @@ from typing import Literal
 import attrs
 import tyro
 
-from astrai.cli._common import console, load_model
+from astrai.cli._common import console, fail, load_model, run_guarded
 
 
 @attrs.frozen(kw_only=True)
@@ -63,14 +63,20 @@ def main(cfg: ServeConfig) -> None:
     import uvicorn
 
     from astrai.inference.engine import Engine, EngineConfig
+    from astrai.inference.graphs import GraphCaptureError
     from astrai.models.encoder import EncoderConfig
     from astrai.serve.app import build_app
     from astrai.serve.server import GracefulServer
 
     model = load_model(cfg.model, cfg.dtype, cfg.device)
-    engine = Engine(model, EngineConfig(max_running=cfg.max_running, max_waiting=cfg.max_waiting,
-                                        kv_budget_tokens=cfg.kv_budget, page_size=cfg.page_size,
-                                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs))  # fmt: skip
+    engine_cfg = EngineConfig(max_running=cfg.max_running, max_waiting=cfg.max_waiting, kv_budget_tokens=cfg.kv_budget,
+                              page_size=cfg.page_size, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+    # on CUDA the start compiles the decode step and captures its graphs: seconds to minutes for large models
+    with console.status("starting the engine (KV pool; on CUDA: compiling and capturing the decode graphs)"):
+        try:
+            engine = run_guarded(lambda: Engine(model, engine_cfg))
+        except GraphCaptureError as err:
+            fail(str(err))
     name = cfg.served_model_name or cfg.model.resolve().name
     embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
     app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,

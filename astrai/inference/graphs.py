@@ -23,6 +23,10 @@ from astrai.inference.cache import NULL_PAGE
 from astrai.ops.attention import AttnMeta
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode CUDA graph failed; the message names the batch, the cause and the way out."""
+
+
 class DecodeGraphs:
     """Decode steps over preallocated input rows; with `capture`, replayed from per-bucket CUDA graphs.
 
@@ -110,7 +114,7 @@ class DecodeGraphs:
         except Exception as e:
             hint = ("lower kv_memory_fraction (the KV pool takes that share of the free memory first) or "
                     if isinstance(e, torch.cuda.OutOfMemoryError) else "")  # fmt: skip
-            raise RuntimeError(
+            raise GraphCaptureError(
                 f"capturing the CUDA graph of the decode step for batch {rows} failed ({type(e).__name__}: {e}); "
                 f"{hint}run without graphs: EngineConfig(cuda_graphs=False), `astrai serve --no-cuda-graphs`"
             ) from e

@@ -82,3 +82,21 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
         out, _ = proc.communicate(timeout=30)
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
     assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in out, out
+
+
+def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkeypatch, capsys):
+    import tyro
+
+    import astrai.cli.serve as serve
+    import astrai.inference.engine as engine_mod
+    from astrai.inference.graphs import GraphCaptureError
+
+    def failing_engine(model, config):
+        raise GraphCaptureError("capturing the CUDA graph of the decode step for batch 64 failed (...)")
+
+    monkeypatch.setattr(engine_mod, "Engine", failing_engine)
+    monkeypatch.setattr(serve, "load_model", lambda *a: None)
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main(tyro.cli(serve.ServeConfig, args=["--model", str(tmp_path)]))
+    assert exit_info.value.code == 2
+    assert "batch 64 failed" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import torch
 
 import astrai
 from astrai.inference.engine import Engine, EngineBusyError, EngineConfig
+from astrai.inference.graphs import GraphCaptureError
 from astrai.inference.params import SamplingParams
 from helpers import DEVICE, save_hf, tiny_hf_model, tiny_model_dir
 
@@ -284,5 +285,5 @@ def test_failed_graph_capture_names_the_way_out(pair, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
         monkeypatch.setattr(graphs, "_capture", out_of_memory)
-        with pytest.raises(RuntimeError, match=r"batch 4 failed.*lower kv_memory_fraction.*cuda_graphs=False"):
+        with pytest.raises(GraphCaptureError, match=r"batch 4 failed.*lower kv_memory_fraction.*cuda_graphs=False"):
             graphs.capture_all([1, 2, 4])
