@@ -13,6 +13,7 @@ import enum
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
 from astrai.inference.params import SamplingParams
 
@@ -65,6 +66,9 @@ class Request:
     finish_reason: str | None = None
     leader: Request | None = None
     num_preemptions: int = 0
+    _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
+    _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
+    _output_synced: int = attrs.field(default=0, init=False, repr=False)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -79,6 +83,25 @@ class Request:
         if end <= prompt_len:
             return self.prompt[start:end]
         return self.prompt[start:] + self.outputs[: end - prompt_len]
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as an int64 array, converted once (the sampler's penalties read it every step)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt, dtype=np.int64)
+        return self._prompt_array
+
+    def output_array(self) -> np.ndarray:
+        """The generated ids as an int64 array view; only tokens added since the last call are converted, so a
+        long generation costs O(1) Python work per step (outputs only ever grow)."""
+        n = len(self.outputs)
+        if n > self._output_array.shape[0]:
+            grown = np.empty(max(n, 2 * self._output_array.shape[0]), np.int64)
+            grown[: self._output_synced] = self._output_array[: self._output_synced]
+            self._output_array = grown
+        if n > self._output_synced:
+            self._output_array[self._output_synced : n] = self.outputs[self._output_synced :]
+            self._output_synced = n
+        return self._output_array[:n]
 
     @property
     def num_tokens(self) -> int:

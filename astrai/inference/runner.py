@@ -168,8 +168,8 @@ class ModelRunner:
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
         batch = make_sampling_batch(
             [s.params for s in seqs], seeds=[s.seed for s in seqs], steps=[len(s.outputs) for s in seqs],
-            vocab_size=vocab_size, device=self.device, prompts=[s.prompt for s in seqs],
-            outputs=[s.outputs for s in seqs], stop_ids=[sorted(s.stop_ids) for s in seqs],
+            vocab_size=vocab_size, device=self.device, prompts=[s.prompt_array() for s in seqs],
+            outputs=[s.output_array() for s in seqs], stop_ids=[sorted(s.stop_ids) for s in seqs],
         )  # fmt: skip
         out: SampleOutput = self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)
         tokens = out.tokens.tolist()

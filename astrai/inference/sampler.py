@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -260,17 +261,22 @@ def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_
 # ---- host helper -------------------------------------------------------------------------------------------
 
 
-def _dense(rows: Sequence[Sequence[int]], vocab_size: int, dtype: torch.dtype, device: torch.device | str,
-           what: str, values: Sequence[float] | None = None) -> Tensor:  # fmt: skip
-    """[B, V] tensor: counts of `rows`' ids (int), their presence (bool), or `values` at them (float)."""
+def _dense(rows: Sequence[Sequence[int] | np.ndarray], vocab_size: int, dtype: torch.dtype,
+           device: torch.device | str, what: str, values: Sequence[float] | None = None) -> Tensor:  # fmt: skip
+    """[B, V] tensor: counts of `rows`' ids (int), their presence (bool), or `values` at them (float).
+
+    Rows may be lists or int arrays (the engine passes `Request.prompt_array()` / `output_array()`, so the
+    per-step cost is one concatenation in C, not a Python loop over every generated token).
+    """
     out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
-    r = [i for i, ids in enumerate(rows) for _ in ids]
-    c = [int(t) for ids in rows for t in ids]
-    if not c:
+    lengths = [len(ids) for ids in rows]
+    if not sum(lengths):
         return out
-    if min(c) < 0 or max(c) >= vocab_size:
-        raise ValueError(f"{what} has token ids outside [0, {vocab_size}): min {min(c)}, max {max(c)}")
-    index = (torch.tensor(r, device=device), torch.tensor(c, device=device))
+    c = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in rows])
+    if c.min() < 0 or c.max() >= vocab_size:
+        raise ValueError(f"{what} has token ids outside [0, {vocab_size}): min {c.min()}, max {c.max()}")
+    r = np.repeat(np.arange(len(rows)), lengths)
+    index = (torch.from_numpy(r).to(device), torch.from_numpy(c).to(device))
     if values is not None:
         return out.index_put_(index, torch.tensor(values, dtype=dtype, device=device))
     return out.index_put_(index, torch.ones(len(c), dtype=dtype, device=device), accumulate=dtype != torch.bool)
@@ -288,8 +294,8 @@ def make_sampling_batch(
     steps: Sequence[int],
     vocab_size: int,
     device: torch.device | str,
-    prompts: Sequence[Sequence[int]] | None = None,
-    outputs: Sequence[Sequence[int]] | None = None,
+    prompts: Sequence[Sequence[int] | np.ndarray] | None = None,
+    outputs: Sequence[Sequence[int] | np.ndarray] | None = None,
     stop_ids: Sequence[Sequence[int]] | None = None,
 ) -> SamplingBatch:
     """Build the device tensors for one sampling call (host code; params are assumed `check`ed).

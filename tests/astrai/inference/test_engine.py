@@ -287,3 +287,17 @@ def test_failed_graph_capture_names_the_way_out(pair, monkeypatch):
         monkeypatch.setattr(graphs, "_capture", out_of_memory)
         with pytest.raises(GraphCaptureError, match=r"batch 4 failed.*lower kv_memory_fraction.*cuda_graphs=False"):
             graphs.capture_all([1, 2, 4])
+
+
+def test_repetition_penalty_matches_transformers_generate(pair, prompts, reference):
+    """The penalty path end to end (the engine hands the sampler incremental token arrays) vs transformers."""
+    hf, model = pair
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, repetition_penalty=1.8, ignore_eos=True)
+    with Engine(model, EngineConfig(compile=False, background=False, max_step_tokens=64)) as engine:
+        ours = [list(c.outputs[0].token_ids) for c in engine.generate(prompts[:6], params)]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, repetition_penalty=1.8,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts[:6]]  # fmt: skip
+    assert ours == expected
+    assert ours != reference[:6]  # the penalty changed the greedy continuations

@@ -154,3 +154,11 @@ def test_token_slices_match_all_tokens():
     for start in range(req.num_tokens + 1):
         for end in range(start, req.num_tokens + 1):
             assert req.tokens(start, end) == req.all_tokens[start:end], (start, end)
+
+
+def test_token_arrays_follow_the_lists_as_they_grow():
+    req = _req(0, [5, 6, 7])
+    assert req.prompt_array().tolist() == [5, 6, 7] and req.output_array().tolist() == []
+    for chunk in ([1], [2, 3], list(range(40)), [], [9]):  # past the initial capacity, in uneven steps
+        req.outputs += chunk
+        assert req.output_array().tolist() == req.outputs
