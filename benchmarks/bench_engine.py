@@ -184,8 +184,11 @@ def run(args) -> dict:
     report = dict(benchmark="bench_engine", config=args.config, dtype=args.dtype, device=args.device,
                   threads=torch.get_num_threads(), machine=machine, torch=torch.__version__,
                   memory_read_gbs=args.bandwidth, prompt_len=args.prompt_len, new_tokens=args.new)  # fmt: skip
+    start = time.perf_counter()
     with make_engine() as engine:
-        console.print("[dim]warming up (compiles the decode step for a few batch shapes)...[/]")
+        # on CUDA the start compiles the decode step and captures every bucket's graph; elsewhere it is the pool
+        report["engine_start_s"] = time.perf_counter() - start
+        console.print(f"[dim]engine started in {report['engine_start_s']:.1f} s; warming up...[/]")
         warm_up(engine, model, args)
         console.print("[dim](a) single stream...[/]")
         report["single"] = section_single(hf, engine, model, args)
