@@ -24,7 +24,8 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, **env: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py", "bench_train.py"]
+    "script",
+    ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py", "bench_train.py", "bench_host.py"],
 )
 def test_smoke_mode_reports_json(script, tmp_path):
     report = _smoke(script, tmp_path, timeout=600, TRITON_INTERPRET="1")
@@ -35,6 +36,9 @@ def test_smoke_mode_reports_json(script, tmp_path):
         ref = report["losses"]["astrai"]
         assert all(losses == pytest.approx(ref, rel=1e-4) for losses in report["losses"].values())
         assert report["goal"]["memory_ratio"] is not None and report["results"][0]["step_peak_mib"] > 0
+    elif report.get("benchmark") == "bench_host":  # every component measured
+        assert {r["component"] for r in report["results"]} == {"meta", "engine", "sampling"}
+        assert all(r["us_per_step"] > 0 for r in report["results"])
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work
