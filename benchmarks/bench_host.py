@@ -8,6 +8,7 @@ machine (CPU tensors; on a GPU the same code adds host-to-device copies):
   sampling  `make_sampling_batch` for R rows that have generated G tokens, over a V-token vocabulary: plain
             (temperature), with frequency + presence penalties ([R, V] counts), and with a repetition penalty
             (which also reads the prompt into an [R, V] mask).
+  detok     one token per step into R incremental detokenizers (a byte-level BPE tokenizer trained locally).
   engine    whole `Engine.step` calls (scheduler, runner bookkeeping, delivery; no tokenizer) with the model step
             stubbed out: R requests decoding, contexts of C tokens.
 Medians of repeated calls, in microseconds per step. Prints rich tables, then the JSON report as the last line.
@@ -98,6 +99,25 @@ def bench_sampling(rows: int, context: int, generated: int, vocab: int, repeats:
     return out
 
 
+def bench_detokenize(rows: int, repeats: int) -> dict:
+    from astrai.io.tokenizer import train_tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 8
+    tok = train_tokenizer([text], vocab_size=400)
+    ids = tok.encode(text * 4)
+    streams = [tok.detokenizer(prompt_ids=ids[:8]) for _ in range(rows)]
+    position = iter(range(10**9))
+
+    def step():
+        token = ids[next(position) % len(ids)]
+        for stream in streams:
+            stream.add(token)
+
+    us = median_us(step, repeats)
+    return dict(component="detok", rows=rows, context=None, generated=None, variant="add one token",
+                us_per_step=us)  # fmt: skip
+
+
 def bench_engine_steps(rows: int, context: int, repeats: int) -> dict:
     model = tiny_model(context)
     config = EngineConfig(
@@ -129,6 +149,7 @@ def run(args) -> dict:
             results.append(bench_meta(rows, context, args.repeats))
             results.append(bench_engine_steps(rows, context, args.repeats))
         results += bench_sampling(rows, args.contexts[-1], args.generated, args.vocab, args.repeats)
+        results.append(bench_detokenize(rows, args.repeats))
     return dict(benchmark="bench_host", torch=torch.__version__, batch_sizes=args.rows, contexts=args.contexts,
                 generated=args.generated, vocab=args.vocab, results=results)  # fmt: skip
 

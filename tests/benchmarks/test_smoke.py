@@ -37,7 +37,7 @@ def test_smoke_mode_reports_json(script, tmp_path):
         assert all(losses == pytest.approx(ref, rel=1e-4) for losses in report["losses"].values())
         assert report["goal"]["memory_ratio"] is not None and report["results"][0]["step_peak_mib"] > 0
     elif report.get("benchmark") == "bench_host":  # every component measured
-        assert {r["component"] for r in report["results"]} == {"meta", "engine", "sampling"}
+        assert {r["component"] for r in report["results"]} == {"meta", "engine", "sampling", "detok"}
         assert all(r["us_per_step"] > 0 for r in report["results"])
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
