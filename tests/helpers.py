@@ -88,6 +88,13 @@ def save_hf(model, folder, **kwargs) -> str:
     return str(folder)
 
 
+def hf_and_loaded(case: str, hf, tmp_path_factory) -> tuple:
+    """(case, the transformers model, astrai's load of its saved folder): the parity tests' fixture value."""
+    from astrai.io.model import load
+
+    return case, hf, load(save_hf(hf, tmp_path_factory.mktemp(case)))
+
+
 def tiny_model_dir(folder, *, seed: int = 0, max_position_embeddings: int = 2048) -> str:
     """Save a tiny random qwen3-shaped astrai model with a locally trained tokenizer and a ChatML template."""
     from astrai.io.model import Model, save

@@ -19,7 +19,7 @@ from astrai.nn.mla import MLAParams
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams
 from astrai.ops.attention import LatentCache
-from helpers import assert_close, assert_logits_match_hf, randomize_routers, save_hf, tiny_hf_model
+from helpers import assert_close, assert_logits_match_hf, hf_and_loaded, randomize_routers, save_hf, tiny_hf_model
 
 YARN = dict(
     rope_type="yarn",
@@ -62,8 +62,7 @@ def _hf(case: str):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
-    hf = _hf(request.param)
-    return request.param, hf, load(save_hf(hf, tmp_path_factory.mktemp(request.param)))
+    return hf_and_loaded(request.param, _hf(request.param), tmp_path_factory)
 
 
 def test_config_fields(pair):

@@ -17,7 +17,7 @@ from astrai.nn.moe import MoEParams, load_balancing_loss
 from astrai.train.optim import AdamWConfig
 from astrai.train.step import StepOptions, TrainStep, init_train_state, lm_loss
 from astrai.tree import tree_map
-from helpers import assert_close, assert_logits_match_hf, randomize_routers, save_hf, tiny_hf_model
+from helpers import assert_close, assert_logits_match_hf, hf_and_loaded, randomize_routers, save_hf, tiny_hf_model
 
 MOE = dict(num_experts_per_tok=2, num_hidden_layers=3)
 CASES = {
@@ -40,8 +40,7 @@ def _hf(case: str):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
-    hf = _hf(request.param)
-    return request.param, hf, load(save_hf(hf, tmp_path_factory.mktemp(request.param)))
+    return hf_and_loaded(request.param, _hf(request.param), tmp_path_factory)
 
 
 def test_logits_match_transformers(pair):
