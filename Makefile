@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev]' --config-settings editable_mode=compat
+	$(PIP) install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -53,7 +53,7 @@ def _paged_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
 
 
 def _decode_providers(c: dict, page_size: int, scale: float, skip: list[str]) -> dict[str, Callable[[], torch.Tensor]]:
-    from triton_kernels.decode_attention import decode_attention
+    from astrai.triton_kernels.decode_attention import decode_attention
 
     paged = (c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["seq_lens"])
     kw = dict(page_size=page_size, scale=scale)
@@ -136,7 +136,7 @@ def bench_decode(args: argparse.Namespace, peak_bw: float) -> list[dict]:
 
 
 def _extend_providers(c: dict, q: torch.Tensor, page_size: int, scale: float) -> dict[str, Callable]:
-    from triton_kernels.extend_attention import extend_attention
+    from astrai.triton_kernels.extend_attention import extend_attention
 
     batch, ctx = c["k_nhd"].shape[:2]
     cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * ctx  # [B + 1]
@@ -162,7 +162,7 @@ def _extend_providers(c: dict, q: torch.Tensor, page_size: int, scale: float) ->
 def bench_extend(args: argparse.Namespace, peak_flops: float | None) -> list[dict]:
     """Time plain causal prefill (every request `ctx` new tokens, no prefix); one row per (case, provider)."""
     try:
-        import triton_kernels.extend_attention  # noqa: F401
+        import astrai.triton_kernels.extend_attention  # noqa: F401
     except ImportError as e:
         console.print(f"[yellow]extend section skipped: triton_kernels.extend_attention not importable ({e})")
         return []
@@ -196,8 +196,8 @@ def _smoke_case(name: str, shape: str, run: Callable[[], torch.Tensor], ref: Cal
 
 def smoke() -> list[dict]:
     """One tiny fp32 case per kernel, interpreted on CPU, against its reference."""
-    from triton_kernels.decode_attention import decode_attention, decode_attention_ref
-    from triton_kernels.kv_store import kv_store_, kv_store_ref_
+    from astrai.triton_kernels.decode_attention import decode_attention, decode_attention_ref
+    from astrai.triton_kernels.kv_store import kv_store_, kv_store_ref_
 
     torch.manual_seed(0)
     kv_heads, group, head_dim, page = 2, 2, 32, 4
@@ -220,7 +220,7 @@ def smoke() -> list[dict]:
     run, ref = (lambda: decode_attention(q, *paged, **kw)), (lambda: decode_attention_ref(q, *paged, **kw))
     rows.append(_smoke_case("decode_attention", "B=2 H=4 K=2 D=32 N=4", run, ref))
     try:
-        from triton_kernels.extend_attention import extend_attention, extend_attention_ref
+        from astrai.triton_kernels.extend_attention import extend_attention, extend_attention_ref
     except ImportError as e:
         console.print(f"[yellow]extend_attention smoke skipped: {e}")
         return rows

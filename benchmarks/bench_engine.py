@@ -27,10 +27,10 @@ import torch
 from _common import console, device_peaks, emit, table
 
 import astrai
+from astrai.configs.models import NAMED
 from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.params import SamplingParams
 from astrai.io.hf import config_to_hf
-from configs.models import NAMED
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_engine.json"
 

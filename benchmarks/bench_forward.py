@@ -26,10 +26,11 @@ from rich.console import Console
 from rich.table import Table
 
 import astrai
-from astrai.inference.cache import init_kv_cache, make_attn_meta, pages_needed
+from astrai.configs.models import NAMED
+from astrai.inference.cache import init_kv_cache, make_attn_meta
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.hf import config_to_hf
-from configs.models import NAMED
+from astrai.ops.attention import pages_needed
 
 # SmolLM2-135M- and Qwen2.5-0.5B-shaped models (configs/models.py); `tiny` for --smoke.
 CONFIGS = ("smollm2-135m", "qwen2.5-0.5b", "tiny")

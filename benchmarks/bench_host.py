@@ -26,15 +26,15 @@ import attrs
 import torch
 from _common import console, emit, table
 
+from astrai.configs.models import tiny
 from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.params import SamplingParams
-from astrai.inference.request import Request
+from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.runner import ModelRunner
-from astrai.inference.sampler import make_sampling_batch
-from astrai.inference.scheduler import ScheduledSeq
+from astrai.inference.sampling_batch import make_sampling_batch
+from astrai.inference.seq import Seq
 from astrai.io.model import Model
 from astrai.models.decoder import init_params
-from configs.models import tiny
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_host.json"
 PAGE = 16
@@ -55,12 +55,12 @@ def tiny_model(context: int) -> Model:
     return Model(config=cfg, params=init_params(cfg))
 
 
-def decoding_requests(rows: int, context: int, generated: int, params: SamplingParams) -> list[Request]:
+def decoding_requests(rows: int, context: int, generated: int, params: SamplingParams) -> list[Seq]:
     """`rows` requests of `context` tokens (prompt + `generated` outputs) with their pages assigned."""
     out = []
     for i in range(rows):
         prompt = [(i + j) % 500 + 1 for j in range(context - generated)]
-        req = Request(id=str(i), index=0, prompt=prompt, params=params, seed=i, arrival=i)
+        req = Seq(id=str(i), index=0, prompt=prompt, params=params, seed=i, arrival=i)
         req.outputs += [7] * generated
         req.pages = list(range(1 + i * (context // PAGE + 1), 1 + (i + 1) * (context // PAGE + 1)))
         out.append(req)
@@ -130,7 +130,7 @@ def bench_engine_steps(rows: int, context: int, repeats: int) -> dict:
     )
     params = SamplingParams(max_tokens=2 * repeats + 8, temperature=0.0, ignore_eos=True)
     with Engine(model, config) as engine:
-        engine.runner.execute = lambda plan, vocab_size: {i: (1, None, None) for i, it in enumerate(plan) if it.sample}
+        engine.runner.execute = lambda plan, vocab_size: {i: SampledToken(1) for i, it in enumerate(plan) if it.sample}
         for i in range(rows):
             engine.submit([(i + j) % 500 + 1 for j in range(context)], params)  # distinct prompts: no prefix hits
         engine.step()  # the prefill step (stubbed too): everyone is decoding afterwards

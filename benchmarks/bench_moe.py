@@ -38,12 +38,12 @@ import transformers
 from _common import console, emit, table
 
 import astrai
+from astrai.configs.models import NAMED
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.io.model import Model
 from astrai.models.config import ModelConfig, MoEConfig
 from astrai.models.decoder import forward
 from astrai.nn.mla import MLAConfig
-from configs.models import NAMED
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_moe.json"
 VARIANTS = ("astrai", "astrai_compiled", "hf_eager", "hf_eager_loop")

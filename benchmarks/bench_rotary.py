@@ -31,7 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_rotary.json"
 
 
 def _providers(interleaved: bool) -> dict[str, Callable]:
-    from triton_kernels.rotary import rotary, rotary_ref
+    from astrai.triton_kernels.rotary import rotary, rotary_ref
 
     compiled = torch.compile(rotary_ref)
     providers = {
@@ -82,7 +82,7 @@ def bench(args: argparse.Namespace, peak: float) -> list[dict]:
 
 def smoke() -> list[dict]:
     """One tiny fp32 case per layout, interpreted on CPU, against the reference."""
-    from triton_kernels.rotary import rotary, rotary_ref
+    from astrai.triton_kernels.rotary import rotary, rotary_ref
 
     torch.manual_seed(0)
     q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)

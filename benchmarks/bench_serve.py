@@ -182,10 +182,10 @@ def build_model(name: str, vocab: int) -> Model:
     import attrs
 
     import astrai
+    from astrai.configs.models import NAMED
     from astrai.io.model import Model
     from astrai.io.templates import chatml_template
     from astrai.io.tokenizer import train_tokenizer
-    from configs.models import NAMED
 
     tok = train_tokenizer(CORPUS, vocab_size=vocab, chat_template=chatml_template())
     cfg = attrs.evolve(NAMED[name](), vocab_size=tok.vocab_size, eos_token_id=(tok.eos_token_id,))
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         return client_main(args.client)
     from _common import console, emit, table
 
-    from configs.models import NAMED
+    from astrai.configs.models import NAMED
 
     if args.config not in NAMED:
         parser.error(f"--config: choose from {', '.join(sorted(NAMED))}")

@@ -47,6 +47,7 @@ import torch
 import transformers
 from _common import console, emit, table
 
+from astrai.configs.models import NAMED
 from astrai.data.batch import LMBatch
 from astrai.io.hf import IGNORED_HF_TENSORS, astrai_to_hf_name, config_to_hf
 from astrai.models.config import ModelConfig
@@ -54,7 +55,6 @@ from astrai.models.decoder import init_params
 from astrai.train.optim import NO_DECAY_KEYWORDS, AdamWConfig
 from astrai.train.step import StepOptions, TrainStep, init_train_state
 from astrai.tree import count, named_tensors
-from configs.models import NAMED
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu_bench_train.json"
 VARIANTS = ("astrai", "hf_eager", "hf_compiled")

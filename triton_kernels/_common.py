@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["autotune_configs", "check_last_dim_contiguous", "interpreting", "num_sms", "upcast"]
+__all__ = ["autotune_configs", "check_last_dim_contiguous", "interpreting", "num_sms", "prune_by", "upcast"]
 
 
 def interpreting() -> bool:
@@ -43,6 +45,21 @@ def autotune_configs(kept: list) -> list:
     if os.environ.get("ASTRAI_TRITON_AUTOTUNE", "1") == "0":
         return kept[:1]
     return kept
+
+
+def prune_by(keep: Callable[[Any, int], bool], arg: str) -> Callable[..., list]:
+    """An autotune `early_config_prune` shared by the split-KV kernels.
+
+    It keeps the configs with `keep(config, value of the launch argument arg)`, or the one with the smallest
+    BLOCK_N when none passes, and hands them to `autotune_configs`.
+    """
+
+    def prune(configs: list, named_args: dict, **kwargs) -> list:
+        value = {**named_args, **kwargs}[arg]
+        kept = [c for c in configs if keep(c, value)]
+        return autotune_configs(kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])])
+
+    return prune
 
 
 @functools.cache

@@ -30,11 +30,12 @@ extend_attention), logit soft-capping, attention sinks, ALiBi.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from triton_kernels._common import autotune_configs, check_last_dim_contiguous, interpreting, num_sms, upcast
+from ._common import check_last_dim_contiguous, interpreting, num_sms, prune_by, upcast
 
 __all__ = ["decode_attention", "decode_attention_ref", "keep"]
 
@@ -170,12 +171,6 @@ def keep(conf: triton.Config, block_d: int) -> bool:
     return block_n * block_d <= 8192 and (conf.num_warps <= 4 or block_n >= 64)
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    block_d = {**named_args, **kwargs}["BLOCK_D"]
-    kept = [c for c in configs if keep(c, block_d)]
-    return autotune_configs(kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])])
-
-
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
     for bn in (16, 32, 64, 128)
@@ -184,56 +179,61 @@ _CONFIGS = [
 ]
 # Tuned once per (head dim, group tile, page size, dtypes); the split count only changes the work per program.
 _decode_stage1_autotuned = triton.autotune(
-    configs=_CONFIGS, key=["BLOCK_D", "BLOCK_G", "PAGE_SIZE"], prune_configs_by={"early_config_prune": _prune}
+    configs=_CONFIGS,
+    key=["BLOCK_D", "BLOCK_G", "PAGE_SIZE"],
+    prune_configs_by={"early_config_prune": prune_by(keep, "BLOCK_D")},
 )(_decode_stage1_kernel)
 
 
-def decode_attention_ref(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    *,
-    page_size: int,
-    scale: float,
-    window: int = 0,
-) -> Tensor:
-    """Plain-torch fp32 specification of `decode_attention` (gathers every request's whole page list).
+def _gather_pages(cache: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int) -> Tensor:
+    """Each request's pool rows in position order: cache [S, K, D] -> [B, P*N, K, D] (P = block_table width).
 
-    Args:
-        q: [B, H, D] query of each request's newest token.
-        k_cache: [S, K, D] key pool.
-        v_cache: [S, K, D] value pool.
-        block_table: [B, P] int32 page ids of each request, in order.
-        seq_lens: [B] int32 cached tokens per request, including the current one (0 = padding row).
-        page_size: N, slots per page.
-        scale: softmax scale.
-        window: sliding window in tokens (keys p - window < j <= p), 0 for none.
-
-    Returns:
-        [B, H, D] attention output in q's dtype; zeros for rows with seq_lens == 0.
+    Rows at positions past a request's length are zeroed, so stale or non-finite content of pages it does not own
+    can never leak through a 0 attention weight (0 * NaN = NaN). Out-of-range table entries are clamped.
     """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    pos = torch.arange(block_table.shape[1] * page_size, device=q.device)  # [L], L = P * N
-    lens = seq_lens.long()[:, None]  # [B, 1]
-    valid = pos[None, :] < lens  # [B, L]
+    num_pages = cache.shape[0] // page_size
+    pages = block_table.long().clamp(0, num_pages - 1)  # [B, P]
+    # index_select, not advanced indexing: the latter is orders of magnitude slower for this gather on CPU
+    paged = cache[: num_pages * page_size].view(num_pages, page_size, *cache.shape[1:])  # [P_all, N, K, D]
+    out = paged.index_select(0, pages.flatten()).view(*pages.shape, *paged.shape[1:]).flatten(1, 2)
+    owned = torch.arange(out.shape[1], device=cache.device)[None, :] < seq_lens.long()[:, None]  # [B, P*N]
+    return out.masked_fill(~owned[:, :, None, None], 0)
+
+
+def _key_mask(q_pos: Tensor, k_pos: Tensor, seq_lens: Tensor, window: int) -> Tensor:
+    """q_pos [B, Tq], k_pos [S], seq_lens [B] -> [B, Tq, S] bool: causal, inside the length and the window."""
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
     if window > 0:
-        valid &= pos[None, :] >= lens - window
-    slots = block_table.long()[:, pos // page_size] * page_size + pos % page_size  # [B, L]
-    slots = torch.where(valid, slots, 0)  # entries past a request's length may hold anything
-    # zero what is not attended, so stale or non-finite pool content cannot leak through a 0 weight (0 * NaN)
-    k = k_cache[slots].float().masked_fill(~valid[:, :, None, None], 0)  # [B, L, K, D]
-    v = v_cache[slots].float().masked_fill(~valid[:, :, None, None], 0)  # [B, L, K, D]
-    qf = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, K, G, D]: head h uses kv head h // G
-    scores = torch.einsum("bkgd,blkd->bkgl", qf, k) * scale  # [B, K, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # rows with no valid key are NaN, zeroed below
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(batch, num_heads, head_dim)  # [B, H, D]
-    out = torch.where((seq_lens > 0)[:, None, None], out, 0.0)
-    return out.to(q.dtype)
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    return mask
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """fp32 SDPA: q [B, H, Tq, D], k/v [B, K, S, D], mask [B, 1, Tq, S] -> [B, H, Tq, D] fp32.
+
+    Rows with no key left (padding) come out as zeros, not NaN.
+    """
+    gqa = True if q.shape[1] != k.shape[1] else False  # a Python bool even when head counts are symbolic  # noqa: SIM210
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def decode_attention_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *, page_size: int,
+    scale: float, window: int = 0,
+) -> Tensor:  # fmt: skip
+    """Plain-torch fp32 specification of `decode_attention`, and the CPU path of `astrai.ops.attention`.
+
+    Gathers every request's whole page list into a padded [B, P*N] view and runs masked SDPA: shapes depend only
+    on tensor shapes, never on values, so it traces under `torch.compile` without host syncs. Same arguments and
+    result as `decode_attention` (q's dtype; zeros for rows with seq_lens == 0); no layout requirements.
+    """
+    k = _gather_pages(k_cache, block_table, seq_lens, page_size)  # [B, S, K, D]
+    v = _gather_pages(v_cache, block_table, seq_lens, page_size)
+    lens = seq_lens.long()
+    mask = _key_mask((lens - 1)[:, None], torch.arange(k.shape[1], device=q.device), lens, window)  # [B, 1, S]
+    out = _masked_sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale)  # [B, H, 1, D]
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def _num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -254,16 +254,9 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq
 
 
 def _decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    page_size: int,
-    scale: float,
-    window: int,
-    num_splits: int,
-) -> Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int, scale: float,
+    window: int, num_splits: int,
+) -> Tensor:  # fmt: skip
     """Launch both stages with an explicit split count (tests use it to force multi-split merges)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]

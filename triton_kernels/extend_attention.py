@@ -35,11 +35,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from triton_kernels._common import autotune_configs, check_last_dim_contiguous, interpreting, upcast
+from ._common import autotune_configs, check_last_dim_contiguous, interpreting, upcast
+from .decode_attention import _gather_pages, _key_mask, _masked_sdpa
 
 __all__ = ["extend_attention", "extend_attention_ref"]
 
@@ -211,50 +213,63 @@ def _extend_attention_kernel(
 
 
 def extend_attention_ref(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_table: Tensor,
-    *,
-    page_size: int,
-    scale: float,
-    window: int = 0,
-) -> Tensor:
-    """The specification: plain torch in fp32, one request at a time (it reads lengths on the host).
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor, *,
+    page_size: int, scale: float, window: int = 0,
+) -> Tensor:  # fmt: skip
+    """Plain-torch fp32 specification of `extend_attention`, and the CPU path of `astrai.ops.attention`.
 
-    Args:
-        q: [T, H, D] queries of the new tokens, request b owning rows `cu_seqlens_q[b] : cu_seqlens_q[b+1]`.
-        k_cache, v_cache: [S, K, D] pool holding the K/V of every position of every request (prefix and new).
-        cu_seqlens_q: [B+1] int32 query offsets.
-        seq_lens: [B] int32 prefix + new tokens per request.
-        block_table: [B, P] int32 pages of each request.
-        page_size: N tokens per page.
-        scale: softmax scale.
-        window: sliding window in tokens (0: none).
-
-    Returns:
-        [T, H, D] in q's dtype; rows owned by no request are zeros.
+    Same arguments and result as `extend_attention` (q's dtype; rows owned by no request are zeros), no layout
+    requirements. Eager calls loop over requests (they read the lengths on the host: no wasted FLOPs, and a fresh
+    prompt takes SDPA's causal fast path). Traced calls (`torch.compile`) cannot read values, so they gather every
+    request's pages into one flattened key axis and mask out other requests' keys instead: static shapes and no
+    host sync, at B times the attention FLOPs (small next to the projections on CPU).
     """
-    group = q.shape[1] // k_cache.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if not torch.compiler.is_compiling():
+        return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
+    num_tokens, num_reqs = q.shape[0], seq_lens.shape[0]
+    cu, lens = cu_seqlens_q.long(), seq_lens.long()
+    rows = torch.arange(num_tokens, device=q.device)
+    req = torch.searchsorted(cu[1:], rows, right=True).clamp(max=num_reqs - 1)  # [T] owning request
+    q_pos = lens[req] - (cu[1:] - cu[:-1])[req] + (rows - cu[req])  # [T] absolute positions
+    k = _gather_pages(k_cache, block_table, seq_lens, page_size)  # [B, S, K, D]
+    v = _gather_pages(v_cache, block_table, seq_lens, page_size)
+    span = k.shape[1]
+    # Mask over the flattened [B*S] key axis: same request, causal, in length and window. Rows past
+    # cu_seqlens_q[-1] own no request, so they attend to nothing and come out as zeros.
+    own = (req[:, None] == torch.arange(num_reqs, device=q.device)[None, :]) & (rows < cu[-1])[:, None]  # [T, B]
+    per_req = _key_mask(q_pos[None, :], torch.arange(span, device=q.device), lens, window)  # [B, T, S]
+    mask = (per_req & own.T[:, :, None]).permute(1, 0, 2).reshape(1, 1, num_tokens, num_reqs * span)
+    k_all = k.reshape(1, num_reqs * span, *k.shape[2:]).transpose(1, 2)  # [1, K, B*S, D]
+    v_all = v.reshape(1, num_reqs * span, *v.shape[2:]).transpose(1, 2)
+    out = _masked_sdpa(q.transpose(0, 1)[None], k_all, v_all, mask, scale)  # [1, H, T, D]
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _extend_per_request(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor,
+    page_size: int, scale: float, window: int,
+) -> Tensor:  # fmt: skip
+    """The eager branch of `extend_attention_ref`: one SDPA per request over its own keys only."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # rows owned by no request stay zero
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
+    for b, length in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         if end == start:
             continue
-        kpos = torch.arange(seq_len, device=q.device)  # [L] key positions
-        slots = block_table[b, kpos // page_size].long() * page_size + kpos % page_size
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, K, D] -> [L, H, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)  # [L, K, D] -> [L, H, D]
-        qpos = kpos[seq_len - (end - start) :]  # [n] positions of the new tokens
-        visible = kpos[None, :] <= qpos[:, None]  # [n, L]
-        if window > 0:
-            visible &= kpos[None, :] > qpos[:, None] - window
-        scores = torch.einsum("nhd,lhd->hnl", q[start:end].float(), k) * scale  # [H, n, L]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, v)
+        pages = block_table[b : b + 1, : triton.cdiv(length, page_size)]  # [1, P_b]: only the pages it uses
+        lens_b = seq_lens[b : b + 1]
+        k = _gather_pages(k_cache, pages, lens_b, page_size)[:, :length].transpose(1, 2)  # [1, K, L, D]
+        v = _gather_pages(v_cache, pages, lens_b, page_size)[:, :length].transpose(1, 2)
+        qb = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
+        prefix = length - (end - start)
+        if prefix == 0 and window <= 0:
+            o = F.scaled_dot_product_attention(qb.float(), k.float(), v.float(), is_causal=True, scale=scale,
+                                               enable_gqa=qb.shape[1] != k.shape[1])  # fmt: skip
+        else:
+            q_pos = torch.arange(prefix, length, device=q.device)[None, :]  # [1, n]
+            mask = _key_mask(q_pos, torch.arange(length, device=q.device), lens_b.long(), window)  # [1, n, L]
+            o = _masked_sdpa(qb, k, v, mask[:, None], scale)  # [1, H, n, D]
+        out[start:end] = o[0].transpose(0, 1)
     return out.to(q.dtype)
 
 

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from triton_kernels._common import check_last_dim_contiguous
+from ._common import check_last_dim_contiguous
 
-__all__ = ["kv_store_", "kv_store_ref_"]
+__all__ = ["kv_store_", "kv_store_ref_", "store_rows_ref_"]
 
 
 @triton.jit
@@ -59,32 +59,33 @@ def _kv_store_kernel(
     tl.store(v_cache_ptr + slot * stride_vc_s + heads[:, None] * stride_vc_k + d[None, :], v, mask=mask)
 
 
-def kv_store_ref_(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Plain-torch specification of `kv_store_` (no host sync, so it also traces under `torch.compile`).
+def store_rows_ref_(cache: Tensor, rows: Tensor, slot_mapping: Tensor) -> None:
+    """cache[slot_mapping[t]] = rows[t] in place for one pool of any row shape; negative slots are skipped.
+
+    No host sync, so it traces under `torch.compile`. A boolean-mask index would need one (its size depends on
+    the data); instead every padding row is redirected to write exactly what some valid row writes (the first
+    one), so duplicate indices in index_copy_ carry identical values and the result is deterministic. With no
+    valid row at all, every row rewrites the current content of slot 0.
 
     Args:
-        k_cache: [S, K, D] key pool, written in place.
-        v_cache: [S, K, D] value pool, written in place.
-        k: [T, K, D] new keys.
-        v: [T, K, D] new values.
-        slot_mapping: [T] int64 slot per token; rows with a negative slot are skipped.
+        cache: [S, ...] pool, written in place.
+        rows: [T, ...] new rows, same row shape and dtype as the pool.
+        slot_mapping: [T] int64 slot per row.
     """
-    # A boolean-mask index would need a host sync (its size depends on the data). Instead every padding row is
-    # redirected to write exactly what some valid row writes (the first one), so duplicate indices in
-    # index_copy_ carry identical values and the result is deterministic. With no valid row at all, every row
-    # rewrites the current content of slot 0.
     valid = slot_mapping >= 0  # [T]
-    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)  # [T]
-    first_valid = torch.argmax(valid.to(torch.int32))  # 0-d; 0 when no row is valid
-    src = torch.where(valid, rows, first_valid)  # [T] row whose k/v each row writes
+    idx = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)  # [T]
+    src = torch.where(valid, idx, torch.argmax(valid.to(torch.int32)))  # [T] row each row writes; argmax: first valid
     dst = slot_mapping[src]  # [T], negative only when no row is valid
     dst_safe = dst.clamp(min=0)
-    keep = (dst >= 0)[:, None, None]  # [T, 1, 1]
+    keep = (dst >= 0).view(-1, *[1] * (rows.dim() - 1))  # [T, 1, ...]
     # index_select rather than advanced indexing: much cheaper per call on CPU, where this is the hot path
-    k_new = torch.where(keep, k.index_select(0, src), k_cache.index_select(0, dst_safe))
-    v_new = torch.where(keep, v.index_select(0, src), v_cache.index_select(0, dst_safe))
-    k_cache.index_copy_(0, dst_safe, k_new)
-    v_cache.index_copy_(0, dst_safe, v_new)
+    cache.index_copy_(0, dst_safe, torch.where(keep, rows.index_select(0, src), cache.index_select(0, dst_safe)))
+
+
+def kv_store_ref_(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Plain-torch specification of `kv_store_` (sync-free `store_rows_ref_` on each pool; same arguments)."""
+    store_rows_ref_(k_cache, k, slot_mapping)
+    store_rows_ref_(v_cache, v, slot_mapping)
 
 
 def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

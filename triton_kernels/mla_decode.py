@@ -22,7 +22,7 @@ what makes MLA decode compute- rather than bandwidth-bound at large H. Blocks of
 through the block table with an online base-2 softmax; each split writes a normalised partial and its
 log-sum-exp. Stage 2 is decode_attention's merge kernel (the partial layout is the same with D = R). The split
 count comes from shapes only (`decode_attention._num_splits`), so the launcher never syncs.
-Not supported: sliding windows, more than one query token per request (astrai.nn.mla runs extend in torch),
+Not supported: sliding windows, more than one query token per request (astrai.ops.mla runs extend in torch),
 quantised (fp8) latents, a separate value pool, tensor-parallel head sharding beyond passing fewer heads.
 """
 
@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from triton_kernels._common import autotune_configs, check_last_dim_contiguous, interpreting, upcast
-from triton_kernels.decode_attention import _block_slots, _merge_splits, _num_splits
+from ._common import check_last_dim_contiguous, interpreting, prune_by, upcast
+from .decode_attention import _block_slots, _merge_splits, _num_splits, decode_attention_ref
 
 __all__ = ["keep", "mla_decode", "mla_decode_ref"]
 
@@ -119,48 +119,30 @@ def keep(conf: triton.Config, block_r: int) -> bool:
     return block_n * block_r <= 16384 and (conf.num_warps <= 4 or block_n >= 32)
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    block_r = {**named_args, **kwargs}["BLOCK_R"]
-    kept = [c for c in configs if keep(c, block_r)]
-    return autotune_configs(kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])])
-
-
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn in (16, 32, 64) for w in (4, 8) for s in (1, 2)
 ]
 _mla_stage1_autotuned = triton.autotune(
     configs=_CONFIGS,
     key=["BLOCK_R", "BLOCK_PE", "BLOCK_H", "PAGE_SIZE"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": prune_by(keep, "BLOCK_R")},
 )(_mla_decode_stage1_kernel)
 
 
 def mla_decode_ref(
     q: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, *, kv_lora_rank: int, page_size: int, scale: float
 ) -> Tensor:
-    """Plain-torch fp32 specification of `mla_decode` (gathers every request's whole page list).
+    """Plain-torch fp32 specification of `mla_decode`, and the CPU path of `astrai.ops.mla` (same arguments).
 
-    Args:
-        q: [B, H, R + Dr] absorbed query [q_lat ; q_pe] of each request's newest token.
-        cache: [S, R + Dr] latent pool [c_kv ; k_pe].
-        block_table: [B, P] int32 page ids of each request, in order.
-        seq_lens: [B] int32 cached tokens per request including the current one (0 = padding row).
-        kv_lora_rank: R, the latent (value) width.
-        page_size: N, slots per page.
-        scale: softmax scale.
+    MQA over the pool: one shared head whose key is the whole row [c_kv ; k_pe] and whose value is the same row,
+    run by `decode_attention_ref`; the Dr extra output dims (~11% for DeepSeek-V3) are computed and dropped.
 
     Returns:
         [B, H, R] in q's dtype; zeros for rows with seq_lens == 0.
     """
-    pos = torch.arange(block_table.shape[1] * page_size, device=q.device)  # [L], L = P * N
-    valid = pos[None, :] < seq_lens.long()[:, None]  # [B, L]
-    slots = block_table.long()[:, pos // page_size] * page_size + pos % page_size  # [B, L]
-    slots = torch.where(valid, slots, 0)  # entries past a request's length may hold anything
-    ent = cache[slots].float().masked_fill(~valid[:, :, None], 0)  # [B, L, R + Dr]; 0 * NaN cannot leak
-    scores = torch.einsum("bhc,blc->bhl", q.float(), ent) * scale  # [B, H, L]
-    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)  # NaN rows zeroed below
-    out = torch.einsum("bhl,blr->bhr", probs, ent[..., :kv_lora_rank])  # [B, H, R]
-    return torch.where((seq_lens > 0)[:, None, None], out, 0.0).to(q.dtype)
+    kv = cache[:, None, :]  # [S, 1, R + Dr]
+    out = decode_attention_ref(q, kv, kv, block_table, seq_lens, page_size=page_size, scale=scale)  # [B, H, R + Dr]
+    return out[..., :kv_lora_rank]
 
 
 def _check(q: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, kv_lora_rank: int) -> None:

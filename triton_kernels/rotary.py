@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from triton_kernels._common import check_last_dim_contiguous
+from ._common import check_last_dim_contiguous
 
 __all__ = ["rotary", "rotary_ref"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tyro
 
 from astrai.cli._common import console, run_guarded
+from astrai.cli.train import resolve_model
 from astrai.quickstart.run import QuickstartSettings as QuickstartConfig
 from astrai.quickstart.run import run_quickstart
 
@@ -12,8 +13,8 @@ __all__ = ["QuickstartConfig", "main"]
 
 
 def main(cfg: QuickstartConfig) -> None:
-    """Run the quickstart with `cfg`."""
-    run_guarded(lambda: run_quickstart(cfg, console))
+    """Run the quickstart with `cfg` (its `--model` name resolved from `configs/models.py`, as `astrai train` does)."""
+    run_guarded(lambda: run_quickstart(cfg, console, model_cfg=resolve_model(cfg.model)))
 
 
 if __name__ == "__main__":

@@ -2,16 +2,23 @@
 
 The first argument picks the base config: a named recipe from `configs/recipes.py` or a saved run config
 (a run folder or its config.json, to re-run or `--resume` it); tyro flags override any field of it.
+`--model` names a config from `configs/models.py` (resolved here to a `ModelConfig` for the loop, which never
+imports `configs/`) or a model folder to fine-tune.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tyro
 
 from astrai.cli._common import console, fail, run_guarded
+
+if TYPE_CHECKING:
+    from astrai.models.config import ModelConfig
+    from astrai.train.config import TrainConfig
 
 
 def _usage(recipes: list[str]) -> str:
@@ -24,8 +31,8 @@ def _usage(recipes: list[str]) -> str:
 
 def cli(args: list[str]) -> None:
     """Parse `args` (after `astrai train`) and train."""
+    from astrai.configs.recipes import RECIPES
     from astrai.train.config import TrainConfig, load_config
-    from configs.recipes import RECIPES
 
     if not args or args[0] in ("-h", "--help"):
         console.print(_usage(sorted(RECIPES)), highlight=False)
@@ -43,11 +50,26 @@ def cli(args: list[str]) -> None:
     main(cfg)
 
 
-def main(cfg) -> None:
+def resolve_model(model: str) -> ModelConfig | None:
+    """The `ModelConfig` of a named config in `configs/models.py`, or None when `model` is a model folder.
+
+    Raises:
+        ValueError: `model` is neither (the message lists the names).
+    """
+    from astrai.configs.models import NAMED
+
+    if model in NAMED:
+        return NAMED[model]()
+    if not Path(model).is_dir():
+        raise ValueError(f"model {model!r} is neither a named config ({', '.join(sorted(NAMED))}) nor a folder")
+    return None
+
+
+def main(cfg: TrainConfig) -> None:
     """Train with `cfg` and print where the results went."""
     from astrai.train.loop import train
 
-    result = run_guarded(lambda: train(cfg))
+    result = run_guarded(lambda: train(cfg, resolve_model(cfg.model)))
     if result.stopped_early:
         console.print(f"stopped at step {result.steps}; continue with: astrai train {result.run_dir} --resume")
         return

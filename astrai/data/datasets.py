@@ -35,6 +35,16 @@ def _long(a: np.ndarray) -> Tensor:
     return torch.from_numpy(a.astype(np.int64))  # astype copies: the memmap stays read-only and untouched
 
 
+def _locate(cum: list[int], index: int, what: str) -> tuple[int, int]:
+    """(shard, item within it) of global `index` (negative counts from the end), given cumulative item counts."""
+    total = cum[-1]
+    if not -total <= index < total:
+        raise IndexError(f"index {index} out of range for {total} {what}")
+    index %= total
+    s = bisect.bisect_right(cum, index) - 1
+    return s, index - cum[s]
+
+
 class _Records:
     """Rows of one kind across shards: index -> (shard, row), by cumulative row counts."""
 
@@ -47,11 +57,8 @@ class _Records:
         return self.cum[-1]
 
     def locate(self, index: int) -> tuple[Any, int]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} items")
-        index %= len(self)
-        s = bisect.bisect_right(self.cum, index) - 1
-        return self.shards[s], index - self.cum[s]
+        s, row = _locate(self.cum, index, "items")
+        return self.shards[s], row
 
     def row(self, shard: Any, r: int, key: str, offsets_key: str | None = None) -> np.ndarray:
         ends = shard.arrays[offsets_key or self.offsets_key]
@@ -82,11 +89,8 @@ class PretrainDataset:
         return self.cum[-1]
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} windows")
-        index %= len(self)
-        s = bisect.bisect_right(self.cum, index) - 1
-        start = (index - self.cum[s]) * self.seq_len
+        s, k = _locate(self.cum, index, "windows")
+        start = k * self.seq_len
         window = _long(self.shards[s].arrays["tokens"][start : start + self.seq_len + 1])
         return {
             "tokens": window[:-1],

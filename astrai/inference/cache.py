@@ -8,6 +8,9 @@ and page tables may point there, so no request's data is ever clobbered by paddi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,15 +52,17 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def make_attn_meta(
-    pages: list[list[int]],
-    cached: list[int],
-    new: list[int],
+    pages: Sequence[Sequence[int]],
+    cached: Sequence[int],
+    new: Sequence[int],
     *,
     page_size: int,
     device: torch.device | str,
     decode: bool = False,
+    rows: int | None = None,
+    width: int | None = None,
 ) -> AttnMeta:
-    """Metadata of one step.
+    """Metadata of one step: the one place an `AttnMeta` is built from per-request pages and lengths.
 
     Args:
         pages: per request, its page ids in order (enough pages for cached + new tokens).
@@ -66,33 +71,39 @@ def make_attn_meta(
         page_size: tokens per page.
         device: where the metadata tensors go.
         decode: every request has exactly one new token (selects the decode kernel).
+        rows: pad to this many requests (default: no padding); a padding row has one token at position 0 that
+            writes to slot -1 (skipped) and attends to nothing (length 0).
+        width: block-table width in pages (default: the longest page list).
     """
     if decode and any(n != 1 for n in new):
         raise ValueError("decode metadata needs exactly one new token per request")
-    width = max(len(p) for p in pages)
-    table = torch.full((len(pages), width), NULL_PAGE, dtype=torch.int32)
+    count = len(pages)
+    rows = count if rows is None else rows
+    width = max(len(p) for p in pages) if width is None else width
+    table = np.full((rows, width), NULL_PAGE, dtype=np.int32)  # numpy fills rows from lists ~3x faster than torch
     for row, plist in enumerate(pages):
-        table[row, : len(plist)] = torch.tensor(plist, dtype=torch.int32)
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new, strict=True)])
-    req = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor(new))
-    slots = table[req, positions // page_size].long() * page_size + positions % page_size
-    cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(new), 0)
-    seq_lens = torch.tensor([c + n for c, n in zip(cached, new, strict=True)], dtype=torch.int32)
+        table[row, : len(plist)] = plist
+    lengths = np.ones(rows, dtype=np.int64)  # padding rows feed one token
+    lengths[:count] = new
+    starts = np.zeros(rows, dtype=np.int64)
+    starts[:count] = cached
+    req = np.repeat(np.arange(rows), lengths)  # [T] request of each new token
+    cu = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    positions = starts[req] + np.arange(int(cu[-1])) - cu[:-1][req]  # [T]
+    slots = table[req, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    slots[int(cu[count]) :] = -1
+    seq_lens = (starts + lengths).astype(np.int32)
+    seq_lens[count:] = 0
     return AttnMeta(
-        positions=positions.to(device),
-        slot_mapping=slots.to(device),
-        cu_seqlens_q=cu.to(device),
-        seq_lens=seq_lens.to(device),
-        block_table=table.to(device),
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        cu_seqlens_q=torch.from_numpy(cu).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        block_table=torch.from_numpy(table).to(device),
         page_size=page_size,
         decode=decode,
     )
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold `num_tokens` tokens."""
-    return -(-num_tokens // page_size)
 
 
 def logits_rows(meta: AttnMeta) -> Tensor:

@@ -1,15 +1,15 @@
 """`Engine`: continuous-batching generation on a background thread (host Python, never compiled).
 
-Requests are submitted from any thread (or event loop) and come back as `RequestHandle`s that yield stream
-`Delta`s and a final `Completion`. The engine thread loops: take new requests and aborts, `Scheduler.schedule`,
-`ModelRunner.execute`, `Scheduler.update`, then detokenize and deliver. See docs/inference.md.
+Requests are submitted from any thread (or event loop) and come back as `RequestHandle`s (`handle.py`) that
+yield stream `Delta`s and a final `Completion`. The engine thread loops: take new requests and aborts,
+`Scheduler.schedule`, `ModelRunner.execute`, `Scheduler.update`, then `RequestDelivery` detokenizes and
+delivers (`delivery.py`). This module owns only the threads, submission and validation; see docs/inference.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 import random
 import threading
 import time
@@ -20,14 +20,17 @@ import attrs
 import torch
 
 from astrai.inference.cache import kv_bytes_per_token
-from astrai.inference.output import SequenceOutput
+from astrai.inference.delivery import RequestDelivery
+from astrai.inference.handle import RequestHandle
+from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
-from astrai.inference.request import Completion, CompletionOutput, Delta, Request, split_n
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import Scheduler
+from astrai.inference.seq import split_n
 from astrai.io.model import Model
+from astrai.ops.attention import pages_needed
 
 
 class EngineBusyError(RuntimeError):
@@ -91,80 +94,6 @@ class EngineStats:
     steps: int
 
 
-class RequestHandle:
-    """A submitted request: iterate it for `Delta`s, or call `result()` for the `Completion`."""
-
-    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.request_id, self._engine, self._loop = request_id, engine, loop
-        self._sync: queue.SimpleQueue = queue.SimpleQueue()
-        self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self.completion: Completion | None = None
-
-    def _put(self, item: Delta | Completion | BaseException) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
-        else:
-            self._sync.put(item)
-
-    def __iter__(self) -> Iterator[Delta]:
-        while self.completion is None:
-            if not self._engine.config.background:
-                while self._sync.empty():
-                    if not self._engine.step() and self._sync.empty():
-                        raise RuntimeError(f"request {self.request_id} is not known to the engine")
-            item = self._sync.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Completion):
-                self.completion = item
-                return
-            yield item
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        if self._async is None:
-            raise RuntimeError("submit with loop=asyncio.get_running_loop() to iterate asynchronously")
-        while self.completion is None:
-            item = await self._async.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Completion):
-                self.completion = item
-                return
-            yield item
-
-    def poll(self) -> list[Delta]:
-        """The deltas delivered so far and not yet consumed, without blocking (sets `completion` at the end)."""
-        out = []
-        while not self._sync.empty():
-            item = self._sync.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Completion):
-                self.completion = item
-            else:
-                out.append(item)
-        return out
-
-    def result(self) -> Completion:
-        """Block until the request finishes; returns its Completion (again on later calls)."""
-        for _ in self:
-            pass
-        assert self.completion is not None
-        return self.completion
-
-    def abort(self) -> None:
-        """Stop generating (frees the request's KV); the stream ends with finish_reason "abort"."""
-        self._engine.abort(self.request_id)
-
-
-@attrs.define(eq=False)
-class _Tracked:
-    handle: RequestHandle
-    seqs: list[Request]
-    outputs: list[SequenceOutput]
-    submitted: float
-
-
 class Engine:
     """Continuous-batching inference over a paged KV pool with a radix prefix cache."""
 
@@ -182,8 +111,8 @@ class Engine:
                                   cuda_graphs=cfg.cuda_graphs)  # fmt: skip
         self._rng = random.Random(cfg.seed)
         self._arrival = itertools.count()
-        self._tracked: dict[str, _Tracked] = {}
-        self._inbox: list[_Tracked] = []
+        self._tracked: dict[str, RequestDelivery] = {}
+        self._inbox: list[RequestDelivery] = []
         self._aborts: list[str] = []
         self._cv = threading.Condition()
         self._stop, self._error = False, None
@@ -230,9 +159,9 @@ class Engine:
                                                        else frozenset(self.model.eos_token_ids))  # fmt: skip
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seqs = split_n(ids, params, request_id, seed, next(self._arrival), stop_ids)
-        tok = self.model.tokenizer
-        tracked = _Tracked(RequestHandle(request_id, self, loop), seqs, [SequenceOutput(s, tok) for s in seqs],
-                           time.perf_counter())  # fmt: skip
+        handle = RequestHandle(request_id, abort=self.abort, loop=loop,
+                               step=None if self.config.background else self.step)  # fmt: skip
+        tracked = RequestDelivery(handle, seqs, self.model.tokenizer, time.perf_counter())
         with self._cv:
             if self._error is not None:
                 raise EngineDeadError(f"the engine stopped after an error: {self._error}")
@@ -266,7 +195,7 @@ class Engine:
                 f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} tokens, more than "
                 f"the model's context of {self.max_model_len} tokens"
             )
-        pages = -(-total // self.config.page_size)
+        pages = pages_needed(total, self.config.page_size)
         if pages > self.pool.num_pages - 1:
             raise ValueError(f"the request needs {pages} KV pages but the pool has {self.pool.num_pages - 1}; "
                              "raise kv_budget_tokens")  # fmt: skip
@@ -374,7 +303,7 @@ class Engine:
             failed = list(self._tracked.values())
             self._tracked.clear()
         for tracked in failed:
-            tracked.handle._put(EngineDeadError(f"the engine stopped after an error: {self._error}"))
+            tracked.handle.put(EngineDeadError(f"the engine stopped after an error: {self._error}"))
 
     def _wait_for_work(self) -> bool:
         with self._cv:
@@ -404,50 +333,17 @@ class Engine:
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
-            for seq, out in zip(tracked.seqs, tracked.outputs, strict=True):
-                if out.done:
-                    continue
-                delta = out.advance(seq.finish_reason)
-                if out.stopped:  # a stop string ends the sequence, whatever else ended it in this step
-                    if not seq.finished:
-                        self.scheduler.finish(seq, "stop")
-                    seq.finish_reason = "stop"
-                if delta.token_ids or delta.text or delta.finish_reason:
-                    tracked.handle._put(delta)
-            if all(s.finished for s in tracked.seqs):
-                self._complete(request_id)
+            tracked.deliver(self.scheduler.finish)
+            if tracked.finished:
+                self._tracked.pop(request_id).complete(request_id)
 
     def _abort_now(self, request_id: str) -> None:
-        tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return
-        self.scheduler.abort(request_id)
-        for seq, out in zip(tracked.seqs, tracked.outputs, strict=True):
-            if not out.done:
-                seq.finish_reason = "abort"
-                out.done = True
-                tracked.handle._put(Delta(index=seq.index, text="", token_ids=(), finish_reason="abort"))
-        self._complete(request_id)
-
-    def _complete(self, request_id: str) -> None:
-        tracked = self._tracked.pop(request_id)
-        outputs = tuple(
-            CompletionOutput(
-                index=seq.index,
-                text=out.text,
-                token_ids=tuple(seq.outputs),
-                finish_reason=seq.finish_reason,
-                logprobs=tuple(seq.logprobs) if (seq.params.logprobs or seq.params.top_logprobs) else None,
-                top_logprobs=tuple(tuple(t) for t in seq.top_logprobs) if seq.params.top_logprobs else None,
-            )  # fmt: skip
-            for seq, out in zip(tracked.seqs, tracked.outputs, strict=True)
-        )
-        lead = tracked.seqs[0]
-        tracked.handle._put(
-            Completion(
-                request_id=request_id,
-                prompt_tokens=len(lead.prompt),
-                cached_tokens=max(lead.num_cached, 0),
-                outputs=outputs,
-            )  # fmt: skip
-        )
+        with self._cv:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:
+                return
+            if tracked in self._inbox:  # submitted but not yet handed to the scheduler (background=False)
+                self._inbox.remove(tracked)
+        self.scheduler.abort(tracked.seqs)
+        tracked.end_unfinished_streams()
+        tracked.complete(request_id)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.outputs import Completion
 from astrai.inference.params import SamplingParams
-from astrai.inference.request import Completion
 from astrai.io.model import Model
+from astrai.ops.attention import pages_needed
 
 PAGE_SIZE = 16
 
@@ -22,7 +23,7 @@ def _run(model: Model, prompts: Sequence[str | Sequence[int]], params: SamplingP
     if isinstance(prompts, str):
         prompts = [prompts]
     lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
-    budget = sum(-(-(n + params.max_tokens) // PAGE_SIZE) * PAGE_SIZE for n in lengths) * params.n
+    budget = sum(pages_needed(n + params.max_tokens, PAGE_SIZE) * PAGE_SIZE for n in lengths) * params.n
     config = EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=budget, max_running=len(prompts) * params.n,
                           max_step_tokens=max(2048, len(prompts) * params.n), compile=False,
                           background=False)  # fmt: skip

@@ -12,18 +12,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from astrai.inference.cache import NULL_PAGE, init_kv_cache, pages_needed
+from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
 from astrai.inference.graphs import DecodeGraphs
-from astrai.inference.request import Request
-from astrai.inference.sampler import SampleOutput, make_sampling_batch, sample
-from astrai.inference.scheduler import ScheduledSeq
+from astrai.inference.plan import SampledToken, ScheduledSeq
+from astrai.inference.sampler import SampleOutput, sample
+from astrai.inference.sampling_batch import make_sampling_batch
+from astrai.inference.seq import Seq
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
-from astrai.ops.attention import AttnMeta
+from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.tree import tree_map
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -94,33 +94,13 @@ class ModelRunner:
         self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int
     ) -> tuple[Tensor, AttnMeta]:
         """Host tokens and metadata for `plan`, padded to `rows` requests and a `width`-page block table."""
-        page = self.page_size
-        table = np.full((rows, width), NULL_PAGE, dtype=np.int32)  # numpy fills rows from lists ~3x faster
-        tokens, positions, slots, seq_lens, cu = [], [], [], [], [0]
-        for r, item in enumerate(plan):
-            seq, start, end = item.seq, item.start, item.start + item.num_new
-            pages = seq.pages
-            table[r, : len(pages)] = pages
-            tokens += seq.tokens(start, end)
-            positions += range(start, end)
-            slots += [pages[p // page] * page + p % page for p in range(start, end)]
-            seq_lens.append(end)
-            cu.append(cu[-1] + item.num_new)
-        pad = rows - len(plan)  # padding rows: one token each at position 0, writing to the null page
-        tokens += [0] * pad
-        positions += [0] * pad
-        slots += [-1] * pad
-        seq_lens += [0] * pad
-        cu += [cu[-1] + i + 1 for i in range(pad)]
-        meta = AttnMeta(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=torch.from_numpy(table),
-            page_size=page,
-            decode=decode,
-        )
+        tokens = []
+        for item in plan:
+            tokens += item.seq.tokens(item.start, item.start + item.num_new)
+        tokens += [0] * (rows - len(plan))  # padding rows feed token 0
+        meta = make_attn_meta([item.seq.pages for item in plan], [item.start for item in plan],
+                              [item.num_new for item in plan], page_size=self.page_size, device="cpu",
+                              decode=decode, rows=rows, width=width)  # fmt: skip
         return torch.tensor(tokens, dtype=torch.int64), meta
 
     def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
@@ -136,10 +116,8 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(
-        self, plan: Sequence[ScheduledSeq], *, vocab_size: int
-    ) -> dict[int, tuple[int, float | None, list | None]]:
-        """Run the step; returns, for each plan index that samples, (token, logprob or None, top or None)."""
+    def execute(self, plan: Sequence[ScheduledSeq], *, vocab_size: int) -> dict[int, SampledToken]:
+        """Run the step; returns the token drawn for each plan index that samples."""
         if not plan:
             return {}
         sampling = [i for i, item in enumerate(plan) if item.sample]
@@ -156,14 +134,14 @@ class ModelRunner:
                 logits = (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
         else:
             tokens, meta = self._meta(plan, decode=False, rows=len(plan), width=self._width(plan))
-            last = meta.cu_seqlens_q[1:].long() - 1  # [B] each sequence's last fed token
+            last = logits_rows(meta)  # [B] each sequence's last fed token
             rows = last[torch.tensor(sampling, device=last.device, dtype=torch.long)]
             logits = self.eager_prefill(self.model.params, tokens, meta, self.cache, rows)
         if not sampling:
             return {}
         return self._sample(logits, [plan[i].seq for i in sampling], sampling, vocab_size)
 
-    def _sample(self, logits: Tensor, seqs: list[Request], index: list[int], vocab_size: int) -> dict:
+    def _sample(self, logits: Tensor, seqs: list[Seq], index: list[int], vocab_size: int) -> dict[int, SampledToken]:
         top = max(s.params.top_logprobs for s in seqs)
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
         batch = make_sampling_batch(
@@ -182,5 +160,5 @@ class ModelRunner:
         for j, (i, seq) in enumerate(zip(index, seqs, strict=True)):
             logprob = lps[j] if (seq.params.logprobs or seq.params.top_logprobs) else None
             alternatives = tops[j][: seq.params.top_logprobs] if (tops and seq.params.top_logprobs) else None
-            result[i] = (tokens[j], logprob, alternatives)
+            result[i] = SampledToken(tokens[j], logprob, alternatives)
         return result

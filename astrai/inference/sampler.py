@@ -1,6 +1,7 @@
-"""The engine's sampler: per-row penalties, filters and a seeded, sync-free categorical draw over a batch.
+"""The engine's sampler (device side): per-row penalties, filters and a seeded, sync-free categorical draw.
 
-Every setting is a per-row tensor of a `SamplingBatch` (one row per request), so requests with different
+Every setting is a per-row tensor of a `SamplingBatch` (one row per request, built on the host by
+`sampling_batch.make_sampling_batch`), so requests with different
 settings share one call. `sample` has no `.item()`, no Python branch on tensor values, no `torch.multinomial`
 and no `torch.Generator`; it compiles with `fullgraph=True`. Python branches only on structure: which optional
 fields are present and two static flags (`needs_sort`, `all_greedy`) that `make_sampling_batch` derives, so
@@ -22,7 +23,7 @@ Filtered entries are -inf. This is vLLM's and transformers' order; upstream Astr
 penalty after top-k/top-p (features §11b.11).
 
 The draw uses the exponential trick: `argmax(p / E)` with E ~ Exp(1) i.i.d. picks token i with probability p_i
-(gpt-fast's `multinomial_sample_one_no_sync`). E comes from `exponential_noise`, a counter-based integer hash
+(gpt-fast's `multinomial_sample_one_no_sync`). E comes from `noise.exponential_noise`, a counter-based integer hash
 of (seed, step, token index), so a request's tokens depend only on its own seed and step: not on the other
 rows, their order, the batch size or the device.
 
@@ -32,61 +33,16 @@ vLLM's default `logprobs_mode="raw_logprobs"`; they describe the model, not the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import attrs
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from astrai.inference.params import SamplingParams
-from astrai.tree import pytree, replace, static
+from astrai.inference.noise import exponential_noise
+from astrai.inference.sampling_batch import SamplingBatch
+from astrai.tree import pytree, replace
 
-_MASK32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
-
-
-@pytree
-@attrs.frozen(eq=False)
-class SamplingBatch:
-    """Per-row sampling settings and history, on the logits' device.
-
-    Attributes:
-        temperature: [B] f32; 0 = greedy.
-        top_k: [B] i64; 0 = off.
-        top_p: [B] f32 in (0, 1]; 1 = off.
-        min_p: [B] f32 in [0, 1]; 0 = off.
-        frequency_penalty: [B] f32 (OpenAI, over generated tokens).
-        presence_penalty: [B] f32 (OpenAI, over generated tokens).
-        repetition_penalty: [B] f32 > 0 (HF, over prompt and generated tokens); 1 = off.
-        seed: [B] i64 per-request seed of the noise.
-        step: [B] i64 per-request draw counter (the number of tokens the request has generated so far).
-        logit_bias: [B, V] f32 added to the logits; None when no row uses one.
-        output_counts: [B, V] i32 counts of generated tokens; None when no row uses a penalty.
-        prompt_mask: [B, V] bool, tokens seen in the prompt; None when no row uses a repetition penalty.
-            Repetition uses `prompt_mask | output_counts > 0` (whichever are present).
-        min_tokens_mask: [B, V] bool, ids forbidden now (the stop ids of rows still under `min_tokens`); None
-            when no row needs one.
-        needs_sort: static; False promises that no sampled row uses top-k or top-p (skips the [B, V] sort).
-        all_greedy: static; True promises that every row is greedy (skips filters and noise).
-    """
-
-    temperature: Tensor
-    top_k: Tensor
-    top_p: Tensor
-    min_p: Tensor
-    frequency_penalty: Tensor
-    presence_penalty: Tensor
-    repetition_penalty: Tensor
-    seed: Tensor
-    step: Tensor
-    logit_bias: Tensor | None = None
-    output_counts: Tensor | None = None
-    prompt_mask: Tensor | None = None
-    min_tokens_mask: Tensor | None = None
-    needs_sort: bool = static(default=True)
-    all_greedy: bool = static(default=False)
 
 
 @pytree
@@ -109,52 +65,6 @@ class SampleOutput:
 
 # Dynamo cannot run attrs' generated __init__ (DESIGN fact F2): compiled code builds outputs with tree.replace
 _OUTPUT_TEMPLATE = SampleOutput(tokens=None)  # type: ignore[arg-type]
-
-
-# ---- noise -------------------------------------------------------------------------------------------------
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """`x * c mod 2^32` for x in [0, 2^32), as 16-bit halves so no int64 product overflows (which is UB in C)."""
-    lo = (x & 0xFFFF) * c  # < 2^48
-    hi = ((x >> 16) * (c & 0xFFFF)) & 0xFFFF  # only the low 16 bits of the high half survive the shift
-    return (lo + (hi << 16)) & _MASK32
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """The "lowbias32" hash from Chris Wellons' hash-prospector: a 32-bit bijection with strong avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def exponential_noise(seed: Tensor, step: Tensor, vocab_size: int) -> Tensor:
-    """Exp(1) noise from a counter-based hash of (seed, step, token index).
-
-    Integer ops only until the final log, all values kept in [0, 2^32) inside int64 tensors, so eager, compiled,
-    CPU and CUDA produce the same bits up to the float `log`. A row depends only on its own seed and step.
-
-    Args:
-        seed: [B] i64 (any value; both 32-bit halves are used).
-        step: [B] i64 draw counter.
-        vocab_size: V.
-
-    Returns:
-        [B, V] f32 samples in [6e-8, 16.7]: no zeros, no infinities (the uniform has 23 bits plus a half).
-    """
-    seed, step = seed.to(torch.int64), step.to(torch.int64)
-    key = _mix32((seed & _MASK32) ^ 0x9E3779B9)
-    key = _mix32(key ^ ((seed >> 32) & _MASK32))
-    key = _mix32(key ^ (step & _MASK32))
-    key = _mix32(key ^ ((step >> 32) & _MASK32))  # [B]
-    key2 = _mix32(key ^ 0x85EBCA6B)
-    index = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    bits = _mix32(_mix32(index[None, :] ^ key2[:, None]) ^ key[:, None])  # [B, V] in [0, 2^32)
-    # the top 23 bits + 0.5 are exact in f32 and give u in (0, 1) strictly: u = 1 would make E = 0 and p / E = inf
-    u = ((bits >> 9).to(torch.float32) + 0.5) * (2.0**-23)
-    return -torch.log(u)
 
 
 # ---- logits processing -------------------------------------------------------------------------------------
@@ -256,105 +166,3 @@ def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_
         return replace(_OUTPUT_TEMPLATE, tokens=tokens, logprobs=chosen)
     values, ids = raw.topk(top_logprobs, dim=-1)  # [B, k], sorted descending
     return replace(_OUTPUT_TEMPLATE, tokens=tokens, logprobs=chosen, top_ids=ids, top_logprobs=values)
-
-
-# ---- host helper -------------------------------------------------------------------------------------------
-
-
-def _dense(rows: Sequence[Sequence[int] | np.ndarray], vocab_size: int, dtype: torch.dtype,
-           device: torch.device | str, what: str, values: Sequence[float] | None = None) -> Tensor:  # fmt: skip
-    """[B, V] tensor: counts of `rows`' ids (int), their presence (bool), or `values` at them (float).
-
-    Rows may be lists or int arrays (the engine passes `Request.prompt_array()` / `output_array()`, so the
-    per-step cost is one concatenation in C, not a Python loop over every generated token).
-    """
-    out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
-    lengths = [len(ids) for ids in rows]
-    if not sum(lengths):
-        return out
-    c = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in rows])
-    if c.min() < 0 or c.max() >= vocab_size:
-        raise ValueError(f"{what} has token ids outside [0, {vocab_size}): min {c.min()}, max {c.max()}")
-    r = np.repeat(np.arange(len(rows)), lengths)
-    index = (torch.from_numpy(r).to(device), torch.from_numpy(c).to(device))
-    if values is not None:
-        return out.index_put_(index, torch.tensor(values, dtype=dtype, device=device))
-    return out.index_put_(index, torch.ones(len(c), dtype=dtype, device=device), accumulate=dtype != torch.bool)
-
-
-def _int64(value: int) -> int:
-    """Wrap any Python int into the int64 range (seeds may be arbitrary ints)."""
-    return (int(value) + 2**63) % 2**64 - 2**63
-
-
-def make_sampling_batch(
-    params: Sequence[SamplingParams],
-    *,
-    seeds: Sequence[int],
-    steps: Sequence[int],
-    vocab_size: int,
-    device: torch.device | str,
-    prompts: Sequence[Sequence[int] | np.ndarray] | None = None,
-    outputs: Sequence[Sequence[int] | np.ndarray] | None = None,
-    stop_ids: Sequence[Sequence[int]] | None = None,
-) -> SamplingBatch:
-    """Build the device tensors for one sampling call (host code; params are assumed `check`ed).
-
-    Args:
-        params: one `SamplingParams` per row.
-        seeds: per-row noise seed (the engine's choice: params.seed, offset per completion when n > 1).
-        steps: per-row number of tokens generated so far (the draw counter, also compared to min_tokens).
-        vocab_size: V of the logits.
-        device: where the tensors go.
-        prompts: per-row prompt ids (needed for the repetition penalty; None = empty).
-        outputs: per-row generated ids (needed for penalties; None = empty).
-        stop_ids: per-row ids that end the row (the model's eos unless ignore_eos, plus stop_token_ids);
-            `params.stop_token_ids` are always added. Masked while steps < min_tokens.
-
-    Returns:
-        A `SamplingBatch` whose optional fields and static flags are set only as needed.
-    """
-    n = len(params)
-    for name, seq in (("seeds", seeds), ("steps", steps), ("prompts", prompts), ("outputs", outputs),
-                      ("stop_ids", stop_ids)):  # fmt: skip
-        if seq is not None and len(seq) != n:
-            raise ValueError(f"{name} has {len(seq)} rows for {n} params")
-    empty: list[Sequence[int]] = [()] * n
-    prompts, outputs, stop_ids = prompts or empty, outputs or empty, stop_ids or empty
-
-    def f32(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
-    def i64(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    greedy = [p.temperature == 0 for p in params]
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
-    use_rep = any(p.repetition_penalty != 1 for p in params)
-    use_counts = use_rep or any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params)
-    biases = [p.logit_bias for p in params]
-    logit_bias = None
-    if any(biases):
-        ids, values = [[t for t, _ in b] for b in biases], [v for b in biases for _, v in b]
-        logit_bias = _dense(ids, vocab_size, torch.float32, device, "logit_bias", values=values)
-    forbid = [
-        sorted({*stop, *p.stop_token_ids}) if step < p.min_tokens else []
-        for p, step, stop in zip(params, steps, stop_ids, strict=True)
-    ]
-    return SamplingBatch(
-        temperature=f32([p.temperature for p in params]),
-        top_k=i64(top_k),
-        top_p=f32([p.top_p for p in params]),
-        min_p=f32([p.min_p for p in params]),
-        frequency_penalty=f32([p.frequency_penalty for p in params]),
-        presence_penalty=f32([p.presence_penalty for p in params]),
-        repetition_penalty=f32([p.repetition_penalty for p in params]),
-        seed=i64([_int64(s) for s in seeds]),
-        step=i64([int(s) for s in steps]),
-        logit_bias=logit_bias,
-        output_counts=_dense(outputs, vocab_size, torch.int32, device, "outputs") if use_counts else None,
-        prompt_mask=_dense(prompts, vocab_size, torch.bool, device, "prompts") if use_rep else None,
-        min_tokens_mask=_dense(forbid, vocab_size, torch.bool, device, "stop ids") if any(forbid) else None,
-        needs_sort=any(not g and (k > 0 or p.top_p < 1) for g, k, p in zip(greedy, top_k, params, strict=True)),
-        all_greedy=all(greedy),
-    )

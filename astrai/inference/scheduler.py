@@ -9,6 +9,10 @@ Each `schedule()` call builds one step:
    cache supplies the longest cached full-page prefix, the rest is prefilled in chunks.
 `update()` then advances every scheduled sequence, appends sampled tokens and finishes sequences.
 
+The scheduler is the only writer of a sequence's `status` and `finish_reason`: token-id stops and length end
+sequences in `update`, a stop string found by the engine's text stage ends one through `finish`, and a
+cancellation through `abort`.
+
 Pages are cached in the radix as soon as their K/V are fully computed (at prefill completion, on preemption
 and at finish), so concurrent requests with a shared prefix and the n > 1 siblings of a request reuse them.
 """
@@ -19,19 +23,11 @@ from collections import deque
 
 import attrs
 
+from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
-from astrai.inference.request import Request, Status
-
-
-@attrs.frozen
-class ScheduledSeq:
-    """One sequence's share of a step: feed `all_tokens[start : start + num_new]`; sample if `sample`."""
-
-    seq: Request
-    start: int
-    num_new: int
-    sample: bool
+from astrai.inference.seq import Seq, Status
+from astrai.ops.attention import pages_needed
 
 
 @attrs.define
@@ -54,38 +50,35 @@ class Scheduler:
         self.pool, self.radix = pool, radix
         self.page_size = pool.page_size
         self.max_running, self.max_step_tokens, self.max_model_len = max_running, max_step_tokens, max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         self.stats = SchedulerStats()
 
     # ---- queue management ----------------------------------------------------------------------------
-    def add(self, seqs: list[Request]) -> None:
+    def add(self, seqs: list[Seq]) -> None:
         """Queue the sequences of one request (already validated by the engine)."""
         self.waiting.extend(seqs)
 
-    def abort(self, request_id: str) -> list[Request]:
-        """Remove every sequence of `request_id`, release its pages; returns the removed sequences."""
-        removed = [s for s in (*self.waiting, *self.running) if s.id == request_id]
-        for seq in removed:
+    def abort(self, seqs: list[Seq]) -> None:
+        """End every unfinished sequence of `seqs` with "abort" (queued here or not yet added); frees their pages."""
+        for seq in seqs:
+            if seq.finished:
+                continue
             if seq in self.running:
                 self.running.remove(seq)
-            else:
+            elif seq in self.waiting:
                 self.waiting.remove(seq)
             self._release(seq, cache=False)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        return removed
 
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
         return bool(self.waiting or self.running)
 
     # ---- pages -----------------------------------------------------------------------------------------
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def _grow(self, seq: Request, num_tokens: int) -> bool:
+    def _grow(self, seq: Seq, num_tokens: int) -> bool:
         """Give `seq` pages for its first `num_tokens` tokens; False (nothing changed) if the pool is short."""
-        missing = self._pages_for(num_tokens) - len(seq.pages)
+        missing = pages_needed(num_tokens, self.page_size) - len(seq.pages)
         if missing <= 0:
             return True
         pages = self.pool.alloc(missing)
@@ -94,7 +87,7 @@ class Scheduler:
         seq.pages.extend(pages)
         return True
 
-    def _cache(self, seq: Request) -> None:
+    def _cache(self, seq: Seq) -> None:
         """Record the fully computed pages of `seq` in the prefix cache and adopt the cache's copies.
 
         Where a prefix was already cached (two requests prefilled the same prompt in one step), `seq` swaps its
@@ -114,13 +107,13 @@ class Scheduler:
             for i in duplicates:
                 seq.pages[i] = cached[i]
 
-    def _release(self, seq: Request, *, cache: bool) -> None:
+    def _release(self, seq: Seq, *, cache: bool) -> None:
         if cache:
             self._cache(seq)
         self.pool.decref(seq.pages)
         seq.pages = []
 
-    def _preempt(self, victim: Request) -> None:
+    def _preempt(self, victim: Seq) -> None:
         """Recompute preemption: keep the generated tokens, drop the K/V (cached pages may survive in the radix)."""
         self.running.remove(victim)
         self._release(victim, cache=True)
@@ -175,10 +168,10 @@ class Scheduler:
         return plan
 
     @staticmethod
-    def _leader_ready(leader: Request) -> bool:
+    def _leader_ready(leader: Seq) -> bool:
         return leader.finished or leader.num_computed >= len(leader.prompt)
 
-    def _match(self, seq: Request) -> int:
+    def _match(self, seq: Seq) -> int:
         """Take the cached prefix pages of `seq` (at least one token is always left to compute, for its logits)."""
         if self.radix is None:
             return 0
@@ -187,10 +180,8 @@ class Scheduler:
         seq.pages, seq.num_computed = list(pages), len(pages) * self.page_size
         return len(pages)
 
-    def update(
-        self, plan: list[ScheduledSeq], sampled: dict[int, tuple[int, float | None, list | None]]
-    ) -> list[Request]:
-        """Advance the step's sequences; `sampled[i]` = (token, logprob, top) for plan entry i that sampled.
+    def update(self, plan: list[ScheduledSeq], sampled: dict[int, SampledToken]) -> list[Seq]:
+        """Advance the step's sequences; `sampled[i]` is the token drawn for plan entry i (entries that sample).
 
         Returns the sequences that finished in this step (their pages are released and cached).
         """
@@ -206,21 +197,28 @@ class Scheduler:
             self.stats.prefill_tokens += max(0, min(seq.num_computed, len(seq.prompt)) - max(before, 0))
             if not item.sample:
                 continue
-            token, logprob, top = sampled[i]
+            drawn = sampled[i]
             self.stats.decode_tokens += 1
-            seq.outputs.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            if top is not None:
-                seq.top_logprobs.append(top)
+            seq.outputs.append(drawn.token)
+            if drawn.logprob is not None:
+                seq.logprobs.append(drawn.logprob)
+            if drawn.top_logprobs is not None:
+                seq.top_logprobs.append(drawn.top_logprobs)
             reason = seq.check_stop()
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def finish(self, seq: Request, reason: str) -> None:
-        """End a running sequence (also used by the engine for stop strings)."""
+    def finish(self, seq: Seq, reason: str) -> None:
+        """End a sequence with `reason` (the engine calls it when a stop string completes).
+
+        A sequence that already finished in this step (eos or length on the same token) keeps its released
+        pages and only takes the new reason: a stop string wins over whatever else ended the sequence.
+        """
+        if seq.finished:
+            seq.finish_reason = reason
+            return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:

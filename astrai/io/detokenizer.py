@@ -22,14 +22,23 @@ https://github.com/vllm-project/vllm (``vllm/transformers_utils/detokenizer_util
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from astrai.io.tokenizer import Tokenizer
+from typing import Protocol
 
 # How many prompt tokens seed the window, so the first generated token decodes in context (vLLM uses 5).
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+
+
+class TextDecoder(Protocol):
+    """What the detokenizer reads from a tokenizer (``astrai.io.tokenizer.Tokenizer`` is one)."""
+
+    @property
+    def byte_fallback_ids(self) -> frozenset[int]: ...  # ``<0xNN>`` ids the decoder fuses into characters
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...  # what ``skip_special_tokens`` drops
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -41,12 +50,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+        self, tokenizer: TextDecoder, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
     ) -> None:
         """Start a stream.
 
         Args:
-            tokenizer: an ``astrai.io.tokenizer.Tokenizer``.
+            tokenizer: an ``astrai.io.tokenizer.Tokenizer`` (anything with its ``decode``, ``byte_fallback_ids``
+                and ``special_token_ids``).
             skip_special_tokens: drop special tokens from the emitted text.
             prompt_ids: the prompt the generated tokens follow; its last few tokens give the first generated
                 token its context (e.g. whether a sentencepiece ``▁word`` starts with a space). Its text is

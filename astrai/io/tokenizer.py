@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
@@ -34,14 +33,11 @@ from astrai.io.chat_template import (
     render_chat_template,
     select_chat_template,
 )
+from astrai.io.detokenizer import IncrementalDetokenizer
 from astrai.io.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from astrai.io.detokenizer import IncrementalDetokenizer
 
 # The named special tokens transformers exposes as template variables (``special_tokens_map``), in its order.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -289,8 +285,6 @@ class Tokenizer:
         self, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
     ) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer over this tokenizer (see ``astrai.io.detokenizer``)."""
-        from astrai.io.detokenizer import IncrementalDetokenizer  # the detokenizer module imports this one
-
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
 
     # ---- saving ---------------------------------------------------------------------------------------------

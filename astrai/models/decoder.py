@@ -5,6 +5,8 @@ Notable features:
 - One `forward` serves training (dense [B, T], causal), prefill/extend and decode (flattened ragged tokens
   over a paged `KVCache` described by `AttnMeta`); only the metadata differs.
 - `logits_positions` runs the final norm and LM head only on the rows that will be sampled.
+- Each block reads one `BlockContext` (rope tables, metadata, its own cache view, layer index, dense-mode masks)
+  built per layer, never a long positional tuple.
 - Logits are float32 whatever the parameter dtype (sampling and losses want fp32).
 - MoE: a block's FFN is `MoEParams` where `cfg.layer_is_moe(layer)` (else the dense MLP); `hidden_states`
   can return the summed MoE aux tree for the load-balancing loss.
@@ -16,6 +18,8 @@ Not here: the embedding encoder (`models/encoder.py`); bidirectional MLA.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import attrs
 import torch
 import torch.utils.checkpoint
@@ -25,9 +29,9 @@ from astrai.models.config import ModelConfig, check_config
 from astrai.nn.attention import AttentionParams, AttentionShape, attention, init_attention
 from astrai.nn.embedding import EmbeddingParams, embed, init_embedding
 from astrai.nn.linear import LinearParams, init_linear
-from astrai.nn.mla import MLAConfig, MLAParams, init_mla, mla, mla_softmax_scale
+from astrai.nn.mla import MLAParams, init_mla, mla, mla_softmax_scale
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
-from astrai.nn.moe import MoEAux, MoEConfig, MoEParams, add_aux, init_moe, moe
+from astrai.nn.moe import MoEAux, MoEParams, add_aux, init_moe, moe
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.nn.rope import rope_cos_sin
 from astrai.ops.attention import AttnMeta, KVCache, LatentCache
@@ -94,11 +98,6 @@ def _init_attn(
     )
 
 
-def _mla_scale(cfg: ModelConfig) -> float:
-    """Softmax scale of the MLA layers (host constant; 0.0 for GQA models)."""
-    return mla_softmax_scale(cfg.mla, cfg.rope) if cfg.attn_type == "mla" else 0.0
-
-
 def _build(cfg: ModelConfig, generator: torch.Generator | None) -> DecoderParams:
     dtype, std = cfg.torch_dtype, cfg.initializer_range
     out_std = std / (2 * cfg.num_hidden_layers) ** 0.5  # residual-output projections (GPT-2 scheme)
@@ -149,36 +148,58 @@ def _positions(tokens: Tensor, positions: Tensor | None, meta: AttnMeta | None) 
     return torch.arange(seq, device=tokens.device).repeat(batch)
 
 
-def _block(
-    block: BlockParams,
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    shape: AttentionShape,
-    eps: float,
-    meta: AttnMeta | None,
-    kv: tuple[Tensor, Tensor] | Tensor | None,
-    doc_ids: Tensor | None,
-    causal: bool = True,
-    key_padding_mask: Tensor | None = None,
-    moe_cfg: MoEConfig | None = None,
-    with_aux: bool = False,
-    mla_cfg: MLAConfig | None = None,
-    mla_scale: float = 0.0,
-) -> tuple[Tensor, MoEAux | None]:
-    """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); also the MoE aux tree (None for a dense FFN).
+class BlockContext(NamedTuple):
+    """What one decoder block reads besides its parameters and the residual stream: built per layer in Python.
 
-    For MLA blocks `kv` is the layer's latent pool tensor and `mla_cfg`/`mla_scale` replace `shape`.
+    A NamedTuple rather than an attrs tree, so compiled code can build it (fact F2) and activation checkpointing
+    passes it through as one argument.
+
+    Attributes:
+        layer: index of the block (selects its window and FFN kind on the config).
+        cos, sin: [N, rope_dim/2] float32 rotation tables of the N input tokens, row-major.
+        meta: paged-step metadata, or None in dense mode.
+        cache: this layer's pool view: (k, v) [S, K, D] each, the MLA latent pool [S, R + Dr], or None (dense).
+        doc_ids: dense mode only, [B, T] document index per token (packed rows).
+        causal: dense mode only; False attends to every (unpadded) key (the embedding encoder).
+        key_padding_mask: dense mode only, [B, T] bool, True for real tokens.
+        with_aux: return the MoE aux tree of the block.
     """
+
+    layer: int
+    cos: Tensor
+    sin: Tensor
+    meta: AttnMeta | None = None
+    cache: tuple[Tensor, Tensor] | Tensor | None = None
+    doc_ids: Tensor | None = None
+    causal: bool = True
+    key_padding_mask: Tensor | None = None
+    with_aux: bool = False
+
+
+def layer_cache(cache: KVCache | LatentCache | None, layer: int) -> tuple[Tensor, Tensor] | Tensor | None:
+    """The view of `cache` that block `layer` reads and writes (see `BlockContext.cache`)."""
+    if cache is None:
+        return None
+    if isinstance(cache, LatentCache):
+        return cache.latent[layer]
+    return cache.k[layer], cache.v[layer]
+
+
+def _block(block: BlockParams, x: Tensor, ctx: BlockContext, *, cfg: ModelConfig) -> tuple[Tensor, MoEAux | None]:
+    """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); also the MoE aux tree (None for a dense FFN)."""
+    eps = cfg.rms_norm_eps
     h = rms_norm(block.attn_norm, x, eps=eps)
     if isinstance(block.attn, MLAParams):
-        x = x + mla(block.attn, h, cos, sin, cfg=mla_cfg, scale=mla_scale, meta=meta, cache=kv, doc_ids=doc_ids)
+        scale = mla_softmax_scale(cfg.mla, cfg.rope)
+        x = x + mla(block.attn, h, ctx.cos, ctx.sin, cfg=cfg.mla, scale=scale, meta=ctx.meta, cache=ctx.cache,
+                    doc_ids=ctx.doc_ids)  # fmt: skip
     else:
-        x = x + attention(block.attn, h, cos, sin, shape=shape, meta=meta, kv=kv, doc_ids=doc_ids, causal=causal,
-                          key_padding_mask=key_padding_mask)  # fmt: skip
+        x = x + attention(block.attn, h, ctx.cos, ctx.sin, shape=attention_shape(cfg, ctx.layer), meta=ctx.meta,
+                          kv=ctx.cache, doc_ids=ctx.doc_ids, causal=ctx.causal,
+                          key_padding_mask=ctx.key_padding_mask)  # fmt: skip
     h = rms_norm(block.mlp_norm, x, eps=eps)
     if isinstance(block.mlp, MoEParams):
-        y, aux = moe(block.mlp, h, cfg=moe_cfg, with_aux=with_aux)
+        y, aux = moe(block.mlp, h, cfg=cfg.moe, with_aux=ctx.with_aux)
         return x + y, aux
     return x + mlp(block.mlp, h), None
 
@@ -188,9 +209,9 @@ def hidden_states(
     cfg: ModelConfig,
     tokens: Tensor,
     *,
-    positions: Tensor | None = None,
     meta: AttnMeta | None = None,
     cache: KVCache | LatentCache | None = None,
+    positions: Tensor | None = None,
     doc_ids: Tensor | None = None,
     embeds: Tensor | None = None,
     checkpoint_blocks: bool = False,
@@ -224,7 +245,6 @@ def hidden_states(
         raise ValueError(
             f"attn_type {cfg.attn_type!r} needs a {'LatentCache' if cfg.attn_type == 'mla' else 'KVCache'}"
         )
-    scale = _mla_scale(cfg)
     cos, sin = rope_cos_sin(
         _positions(tokens, positions, meta),
         rope=cfg.rope,
@@ -234,18 +254,12 @@ def hidden_states(
     x = embed(params.embed_tokens, tokens) if embeds is None else embeds
     aux = None
     for layer, block in enumerate(params.blocks):
-        if cache is None:
-            kv = None
-        elif isinstance(cache, LatentCache):
-            kv = cache.latent[layer]
-        else:
-            kv = (cache.k[layer], cache.v[layer])
-        args = (block, x, cos, sin, attention_shape(cfg, layer), cfg.rms_norm_eps, meta, kv, doc_ids, causal,
-                key_padding_mask, cfg.moe, return_aux, cfg.mla, scale)  # fmt: skip
+        ctx = BlockContext(layer=layer, cos=cos, sin=sin, meta=meta, cache=layer_cache(cache, layer), doc_ids=doc_ids,
+                           causal=causal, key_padding_mask=key_padding_mask, with_aux=return_aux)  # fmt: skip
         if checkpoint_blocks:
-            x, layer_aux = torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
+            x, layer_aux = torch.utils.checkpoint.checkpoint(_block, block, x, ctx, cfg=cfg, use_reentrant=False)
         else:
-            x, layer_aux = _block(*args)
+            x, layer_aux = _block(block, x, ctx, cfg=cfg)
         aux = add_aux(aux, layer_aux)
     return (x, aux) if return_aux else x
 

@@ -20,30 +20,22 @@ Notable choices:
   adapter leaves the model's outputs unchanged.
 - Targets match the last component of a linear's key path: the attention q/k/v/o_proj, the MLP gate/up/
   down_proj, or "all-linear" for all of them. The LM head is never a target.
-- `save_lora`/`load_lora` use PEFT's file format (`adapter_model.safetensors` + `adapter_config.json`, names
-  `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`), so adapters move both ways.
 
-Not here: dropout on the adapter input (training regularisation, out of scope), rsLoRA, DoRA, per-module
-ranks (`rank_pattern`), adapters on embeddings or the LM head; PEFT files using them are refused by name.
+Not here: the PEFT adapter folders (`save_lora`/`load_lora` in `astrai.io.lora`: file I/O sits above the layers);
+dropout on the adapter input (training regularisation, out of scope), rsLoRA, DoRA, per-module ranks
+(`rank_pattern`), adapters on embeddings or the LM head.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
-from astrai.io.checkpoint import atomic_dir, read_json, write_json
-from astrai.io.errors import CheckpointError, UnsupportedModelError
-from astrai.io.hf import astrai_to_hf_name, hf_to_astrai_name
 from astrai.nn.linear import LinearParams, LoRALinearParams
 from astrai.tree import pytree, replace, static, tree_map
 
@@ -53,10 +45,6 @@ ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # every attention and MLP projection (PEFT's spelling); never the LM head
 TARGETABLE = ATTN_TARGETS + MLP_TARGETS
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model."
-_PEFT_NAME = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
 __all__ = [
     "ALL_LINEAR",
@@ -66,9 +54,8 @@ __all__ = [
     "LoRAParams",
     "apply_lora",
     "init_lora",
-    "load_lora",
     "merge_lora",
-    "save_lora",
+    "targeted_linears",
     "unmerge_lora",
 ]
 
@@ -157,8 +144,13 @@ def _linears(tree: Any) -> list[tuple[str, LinearParams]]:
     return found
 
 
-def _targeted(params: Any, cfg: LoRAConfig) -> list[tuple[str, LinearParams]]:
-    """The linears of `params` that `cfg` adapts; ValueError listing the available names when none match."""
+def targeted_linears(params: Any, cfg: LoRAConfig) -> list[tuple[str, LinearParams]]:
+    """(key path, linear) for each linear of `params` that `cfg` adapts, in tree order (host only).
+
+    Raises:
+        ValueError: `params` already carries adapters, or no linear matches (the message lists the available
+            names).
+    """
     found = _linears(params)
     for path, lin in found:
         if isinstance(lin, LoRALinearParams):
@@ -200,7 +192,7 @@ def init_lora(params: Any, cfg: LoRAConfig, *, seed: int = 0, dtype: torch.dtype
     """
     generator = torch.Generator().manual_seed(seed)
     lora: LoRAParams = {}
-    for path, lin in _targeted(params, cfg):
+    for path, lin in targeted_linears(params, cfg):
         out_f, in_f = lin.weight.shape
         bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) as in nn.Linear and PEFT
         a = torch.empty(cfg.r, in_f).uniform_(-bound, bound, generator=generator)
@@ -269,169 +261,3 @@ def unmerge_lora(merged: T, lora: LoRAParams) -> T:
     return _with_adapters(
         merged, lora, lambda path, lin, ad: replace(lin, weight=(lin.weight.float() - _delta(ad)).to(lin.weight.dtype))
     )
-
-
-# ---- PEFT-format files ----------------------------------------------------------------------------------------
-
-
-def _peft_name(path: str, factor: str) -> str:
-    """`blocks.0.attn.q_proj`, "A" -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    try:
-        module = astrai_to_hf_name(f"{path}.weight").removesuffix(".weight")
-    except KeyError:
-        raise ValueError(f"LoRA adapter {path!r} has no Hugging Face module name") from None
-    return f"{_PEFT_PREFIX}{module}.lora_{factor}.weight"
-
-
-def _peft_config(cfg: LoRAConfig, base_model: str | None) -> dict[str, Any]:
-    alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": cfg.r,
-        "lora_alpha": alpha,
-        "target_modules": sorted(cfg.target_names),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }
-
-
-def save_lora(lora: LoRAParams, cfg: LoRAConfig, out_dir: str | Path, *, base_model: str | None = None) -> Path:
-    """Write `adapter_model.safetensors` + `adapter_config.json` (PEFT format) atomically into `out_dir`.
-
-    Args:
-        lora: the adapters; their rank and scaling must agree with `cfg`.
-        cfg: written as PEFT's `r`, `lora_alpha` and `target_modules`.
-        out_dir: folder to create or replace.
-        base_model: optional `base_model_name_or_path` for PEFT.
-
-    Returns:
-        The resolved folder.
-    """
-    if not lora:
-        raise ValueError("no LoRA adapters to save")
-    tensors: dict[str, Tensor] = {}
-    for path, ad in lora.items():
-        if path.rpartition(".")[2] not in cfg.target_names:
-            raise ValueError(f"LoRA adapter {path} is not among the config's targets {list(cfg.target_names)}")
-        if ad.lora_a.shape[0] != cfg.r or not math.isclose(ad.scaling, cfg.scaling):
-            raise ValueError(
-                f"LoRA adapter {path} has rank {ad.lora_a.shape[0]} and scaling {ad.scaling}, "
-                f"the config says r={cfg.r}, scaling={cfg.scaling}"
-            )
-        tensors[_peft_name(path, "A")] = ad.lora_a.detach().contiguous().cpu()
-        tensors[_peft_name(path, "B")] = ad.lora_b.detach().contiguous().cpu()
-
-    def write(folder: Path) -> None:
-        save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        write_json(folder / ADAPTER_CONFIG, _peft_config(cfg, base_model))
-
-    return atomic_dir(out_dir, write)
-
-
-# PEFT options that change the math; any non-default value is refused rather than silently ignored
-_UNSUPPORTED: dict[str, Any] = {
-    "use_dora": False,
-    "use_rslora": False,
-    "fan_in_fan_out": False,
-    "bias": "none",
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "layers_to_transform": None,
-    "modules_to_save": None,
-    "layer_replication": None,
-}
-
-
-def _config_from_peft(d: dict[str, Any], source: Path) -> LoRAConfig:
-    if d.get("peft_type") != "LORA":
-        raise UnsupportedModelError(f"{source}: peft_type {d.get('peft_type')!r} is not supported (only 'LORA')")
-    for key, default in _UNSUPPORTED.items():
-        value = d.get(key, default)
-        unset = value == default or (default in (None, {}) and value in (None, [], {}))
-        if not unset:
-            raise UnsupportedModelError(f"{source}: {key!r} = {value!r} is not supported (expected {default!r})")
-    for key in ("r", "lora_alpha", "target_modules"):
-        if key not in d:
-            raise CheckpointError(f"{source}: missing {key!r}")
-    targets = d["target_modules"]
-    if isinstance(targets, str) and targets != ALL_LINEAR:
-        raise UnsupportedModelError(f"{source}: regex target_modules {targets!r} are not supported")
-    try:
-        return LoRAConfig(r=d["r"], alpha=d["lora_alpha"], targets=targets)
-    except (TypeError, ValueError) as err:
-        raise UnsupportedModelError(f"{source}: {err}") from None
-
-
-def _read_tensors(path: Path) -> dict[str, Tensor]:
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as err:
-        raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({err})") from None
-
-
-def _adapter_path(name: str) -> str | None:
-    """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `blocks.0.attn.q_proj`."""
-    match = _PEFT_NAME.fullmatch(name)
-    astrai_name = hf_to_astrai_name(f"{match.group(1)}.weight") if match else None
-    return None if astrai_name is None else astrai_name.removesuffix(".weight")
-
-
-def load_lora(folder: str | Path, params: Any, *, dtype: torch.dtype | None = None) -> tuple[LoRAParams, LoRAConfig]:
-    """Read a PEFT LoRA adapter folder for the base tree `params`.
-
-    Args:
-        folder: holds `adapter_config.json` and `adapter_model.safetensors`.
-        params: the base parameter tree the adapter was trained on (gives shapes and devices).
-        dtype: adapter dtype (default: as stored).
-
-    Returns:
-        (adapters, config). CheckpointError names the file and tensor on missing files, missing or unexpected
-        tensors and shape mismatches; UnsupportedModelError on PEFT options astrai does not implement.
-    """
-    folder = Path(folder)
-    config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise CheckpointError(f"{path}: file not found (expected a PEFT LoRA adapter folder)")
-    cfg = _config_from_peft(read_json(config_path), config_path)
-    tensors = _read_tensors(weights_path)
-    try:
-        targeted = _targeted(params, cfg)
-    except ValueError as err:
-        raise CheckpointError(f"{config_path}: {err}") from None
-    expected = {_peft_name(path, f): path for path, _ in targeted for f in "AB"}
-    for name in tensors:
-        if name not in expected:
-            where = _adapter_path(name)
-            detail = f" (adapter for {where})" if where else ""
-            raise CheckpointError(f"{weights_path}: unexpected tensor {name!r}{detail} for targets {list(cfg.targets)}")
-    lora: LoRAParams = {}
-    for path, lin in targeted:
-        out_f, in_f = lin.weight.shape
-        factors = []
-        for factor, shape in (("A", (cfg.r, in_f)), ("B", (out_f, cfg.r))):
-            name = _peft_name(path, factor)
-            if name not in tensors:
-                raise CheckpointError(f"{weights_path}: tensor {name!r} is missing")
-            tensor = tensors[name]
-            if tuple(tensor.shape) != shape:
-                raise CheckpointError(
-                    f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} "
-                    f"for r={cfg.r} and weight {tuple(lin.weight.shape)}"
-                )
-            factors.append(tensor.to(device=lin.weight.device, dtype=dtype or tensor.dtype))
-        lora[path] = LoRAAdapter(lora_a=factors[0], lora_b=factors[1], scaling=cfg.scaling)
-    return lora, cfg

@@ -34,7 +34,6 @@ from astrai.ops.attention import AttnMeta, dense_attention
 from astrai.ops.mla import mla_paged_attention, mla_store_latent_
 from astrai.ops.rotary import rotary
 from astrai.tree import pytree
-from triton_kernels.mla_decode import mla_decode_ref
 
 __all__ = [
     "MLAConfig",
@@ -43,9 +42,7 @@ __all__ = [
     "init_mla_cache",
     "mla",
     "mla_absorbed_weights",
-    "mla_decode_ref",
     "mla_dense",
-    "mla_extend_ref",
     "mla_paged",
     "mla_softmax_scale",
 ]
@@ -249,43 +246,3 @@ def mla(
     if meta is None:
         raise ValueError("paged MLA needs AttnMeta together with the latent cache")
     return mla_paged(p, x, cos, sin, cache, meta, cfg=cfg, scale=scale)
-
-
-def mla_extend_ref(
-    q: Tensor,
-    cache: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_table: Tensor,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    scale: float,
-) -> Tensor:
-    """Plain-torch fp32 specification of latent attention for ragged new tokens (loops over requests).
-
-    Args:
-        q: [T, H, R + Dr] absorbed queries; request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last
-            new tokens of its seq_lens[b] cached ones.
-        cache: [S, R + Dr] latent pool; position j of request b sits in slot
-            block_table[b, j // page_size] * page_size + j % page_size.
-        cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_table: [B, P] int32.
-        kv_lora_rank: R; page_size: N; scale: softmax scale.
-
-    Returns:
-        [T, H, R] in q's dtype; rows owned by no request are zero.
-    """
-    out = torch.zeros(*q.shape[:2], kv_lora_rank, dtype=torch.float32, device=q.device)
-    cu = cu_seqlens_q.tolist()
-    for b, length in enumerate(seq_lens.tolist()):
-        start, end = cu[b], cu[b + 1]
-        if end == start:
-            continue
-        pos = torch.arange(length, device=q.device)
-        slots = block_table[b].long()[pos // page_size] * page_size + pos % page_size
-        ent = cache[slots].float()  # [L, R + Dr]
-        scores = torch.einsum("thc,lc->thl", q[start:end].float(), ent) * scale  # [n, H, L]
-        q_pos = torch.arange(length - (end - start), length, device=q.device)  # [n] absolute positions
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[:, None, None], float("-inf"))
-        out[start:end] = torch.einsum("thl,lr->thr", scores.softmax(-1), ent[:, :kv_lora_rank])
-    return out.to(q.dtype)

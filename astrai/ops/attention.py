@@ -3,18 +3,20 @@
 `AttnMeta` is the explicit batch metadata tree of a paged step; `KVCache` holds the per-layer pool tensors
 (`LatentCache` is the MLA pool: one latent tensor per layer, used by `astrai.nn.mla`).
 Dense attention always runs torch SDPA (flash/efficient kernels on CUDA). Paged attention dispatches per
-`astrai.ops.backend`: Triton kernels on CUDA, the vectorised torch path on CPU, or the CUDA references.
+`astrai.ops.backend`: Triton kernels on CUDA, their plain-torch references (`triton_kernels.<op>.<op>_ref`,
+vectorised and compile-friendly) on CPU, or the CUDA references. `pages_needed` is the one page round-up.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from astrai.ops.backend import attn_backend
-from astrai.ops.paged_torch import decode_attention_torch, extend_attention_torch
+from astrai.ops.backend import Backend, attn_backend
 from astrai.tree import pytree, static
 
 
@@ -40,6 +42,11 @@ class AttnMeta:
     block_table: Tensor
     page_size: int = static()
     decode: bool = static(default=False)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens (ceil division)."""
+    return -(-num_tokens // page_size)
 
 
 @pytree
@@ -127,27 +134,24 @@ def paged_attention(
     Returns:
         [T, H, D].
     """
-    backend = attn_backend(q)
+    impl = _paged_impl(meta.decode, attn_backend(q))
     if meta.decode:
         args = (q, k_cache, v_cache, meta.block_table, meta.seq_lens)
-        kw = dict(page_size=meta.page_size, scale=scale, window=window)
-        if backend == "triton":
-            from triton_kernels.decode_attention import decode_attention
+    else:
+        args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table)
+    return impl(*args, page_size=meta.page_size, scale=scale, window=window)
 
-            return decode_attention(*args, **kw)
-        if backend == "cuda_ref":
-            import cuda_ref
 
-            return cuda_ref.decode_attention(*args, **kw)
-        return decode_attention_torch(*args, **kw)
-    args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table)
-    kw = dict(page_size=meta.page_size, scale=scale, window=window)
-    if backend == "triton":
-        from triton_kernels.extend_attention import extend_attention
-
-        return extend_attention(*args, **kw)
+def _paged_impl(decode: bool, backend: Backend) -> Callable[..., Tensor]:
+    """The decode or extend implementation of `backend`, imported on first use (importing astrai stays light)."""
     if backend == "cuda_ref":
-        import cuda_ref
+        from astrai import cuda_ref
 
-        return cuda_ref.extend_attention(*args, **kw)
-    return extend_attention_torch(*args, **kw)
+        return cuda_ref.decode_attention if decode else cuda_ref.extend_attention
+    if decode:
+        from astrai.triton_kernels import decode_attention as kernel
+
+        return kernel.decode_attention if backend == "triton" else kernel.decode_attention_ref
+    from astrai.triton_kernels import extend_attention as kernel
+
+    return kernel.extend_attention if backend == "triton" else kernel.extend_attention_ref

@@ -16,11 +16,11 @@ def kv_store_(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappi
         slot_mapping: [T] int64 destination slots.
     """
     if attn_backend(k_cache) == "triton":
-        from triton_kernels.kv_store import kv_store_ as kv_store_kernel_
+        from astrai.triton_kernels.kv_store import kv_store_ as kv_store_kernel_
 
         kv_store_kernel_(k_cache, v_cache, k, v, slot_mapping)
         return
     # the reference is already vectorised and sync-free, so it is the CPU path too
-    from triton_kernels.kv_store import kv_store_ref_
+    from astrai.triton_kernels.kv_store import kv_store_ref_
 
     kv_store_ref_(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), slot_mapping)

@@ -1,9 +1,11 @@
 """MLA's paged ops over the latent pool: store new latent rows, and attention in latent space.
 
 The pool holds one [c_kv ; k_pe] row of R + Dr elements per token and layer (`astrai.nn.mla` explains the
-absorbed form). Decode dispatches per `astrai.ops.backend` like the GQA ops: the Triton kernel
-(`triton_kernels.mla_decode`) on CUDA, otherwise the shared torch paths over an MQA view of the pool; extend
-always runs the torch path (there is no Triton extend kernel for the latent pool yet).
+absorbed form): MQA with one shared head whose key is the whole row and whose value is its first R dims.
+Decode dispatches per `astrai.ops.backend` like the GQA ops: the Triton kernel (`triton_kernels.mla_decode`) on
+CUDA, otherwise its torch reference `mla_decode_ref`. Extend always runs `mla_extend_ref` (there is no Triton
+extend kernel for the latent pool yet): `extend_attention_ref` over the same MQA view, so every paged latent op
+has exactly one torch implementation.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from torch import Tensor
 
 from astrai.ops.attention import AttnMeta
 from astrai.ops.backend import attn_backend
-from astrai.ops.paged_torch import decode_attention_torch, extend_attention_torch
 
 
 def mla_store_latent_(cache: Tensor, c_kv: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
@@ -24,15 +25,40 @@ def mla_store_latent_(cache: Tensor, c_kv: Tensor, k_pe: Tensor, slot_mapping: T
         c_kv: [T, R] normalised latents; k_pe: [T, Dr] rotated rope keys.
         slot_mapping: [T] int64 destination slots.
     """
-    entry = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)  # [T, R + Dr]
-    # Sync-free skip of padding rows, as kv_store_ref_: padding rows rewrite what the first valid row writes.
-    valid = slot_mapping >= 0
-    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
-    src = torch.where(valid, rows, torch.argmax(valid.to(torch.int32)))  # [T] row each row writes
-    dst = slot_mapping[src]  # negative only when no row is valid
-    dst_safe = dst.clamp(min=0)
-    new = torch.where((dst >= 0)[:, None], entry.index_select(0, src), cache.index_select(0, dst_safe))
-    cache.index_copy_(0, dst_safe, new)
+    from astrai.triton_kernels.kv_store import store_rows_ref_
+
+    store_rows_ref_(cache, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype), slot_mapping)  # rows [T, R + Dr]
+
+
+def mla_extend_ref(
+    q: Tensor,
+    cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    *,
+    kv_lora_rank: int,
+    page_size: int,
+    scale: float,
+) -> Tensor:
+    """Latent attention of ragged new tokens: plain torch in fp32 (the specification and the path on every device).
+
+    Args:
+        q: [T, H, R + Dr] absorbed queries; request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last
+            new tokens of its seq_lens[b] cached ones.
+        cache: [S, R + Dr] latent pool; position j of request b sits in slot
+            block_table[b, j // page_size] * page_size + j % page_size.
+        cu_seqlens_q: [B+1] int32; seq_lens: [B] int32; block_table: [B, P] int32.
+        kv_lora_rank: R; page_size: N; scale: softmax scale.
+
+    Returns:
+        [T, H, R] in q's dtype; rows owned by no request are zero.
+    """
+    from astrai.triton_kernels.extend_attention import extend_attention_ref
+
+    kv = cache[:, None, :]  # [S, 1, R + Dr]: one shared head, value = key row (the Dr extra dims are dropped)
+    out = extend_attention_ref(q, kv, kv, cu_seqlens_q, seq_lens, block_table, page_size=page_size, scale=scale)
+    return out[..., :kv_lora_rank]
 
 
 def mla_paged_attention(q: Tensor, cache: Tensor, meta: AttnMeta, *, kv_lora_rank: int, scale: float) -> Tensor:
@@ -48,18 +74,10 @@ def mla_paged_attention(q: Tensor, cache: Tensor, meta: AttnMeta, *, kv_lora_ran
     Returns:
         [T, H, R] attention-weighted latents (W_UV not yet applied).
     """
-    if meta.decode and attn_backend(q) == "triton":
-        from triton_kernels.mla_decode import mla_decode
+    kw = dict(kv_lora_rank=kv_lora_rank, page_size=meta.page_size, scale=scale)
+    if not meta.decode:
+        return mla_extend_ref(q, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, **kw)
+    from astrai.triton_kernels import mla_decode as kernel
 
-        return mla_decode(
-            q, cache, meta.block_table, meta.seq_lens, kv_lora_rank=kv_lora_rank, page_size=meta.page_size, scale=scale
-        )
-    # MQA view of the pool, one shared head [S, 1, R + Dr]: key [c_kv ; k_pe], value the same row; the torch paths
-    # assume value width == query width, so the Dr extra output dims (~11% for DeepSeek-V3) are computed and dropped.
-    kv = cache[:, None, :]
-    if meta.decode:
-        out = decode_attention_torch(q, kv, kv, meta.block_table, meta.seq_lens, page_size=meta.page_size, scale=scale)
-    else:
-        out = extend_attention_torch(q, kv, kv, meta.cu_seqlens_q, meta.seq_lens, meta.block_table,
-                                     page_size=meta.page_size, scale=scale)  # fmt: skip
-    return out[..., :kv_lora_rank]
+    decode = kernel.mla_decode if attn_backend(q) == "triton" else kernel.mla_decode_ref
+    return decode(q, cache, meta.block_table, meta.seq_lens, **kw)

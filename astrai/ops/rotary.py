@@ -20,14 +20,14 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool 
     """
     backend = attn_backend(q)
     if backend == "triton":
-        from triton_kernels.rotary import rotary as rotary_kernel
+        from astrai.triton_kernels.rotary import rotary as rotary_kernel
 
         return rotary_kernel(q, k, cos, sin, interleaved=interleaved)
     if backend == "cuda_ref":
-        import cuda_ref
+        from astrai import cuda_ref
 
         return cuda_ref.rotary(q, k, cos, sin, interleaved=interleaved)
     # the reference is vectorised fp32 torch, so it is also the CPU path
-    from triton_kernels.rotary import rotary_ref
+    from astrai.triton_kernels.rotary import rotary_ref
 
     return rotary_ref(q, k, cos, sin, interleaved=interleaved)

@@ -27,19 +27,17 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astrai.inference.request import Delta
+from astrai.inference.outputs import Delta
 from astrai.serve.anthropic_protocol import MessagesRequest, parse_request, render_prompt, sampling_params
 from astrai.serve.common import APIError, anthropic_error, deltas, json_body, route, sse, stream_response, submit
+from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import TextDelta, ToolCallArgs, ToolCallEnd, ToolCallParser, ToolCallStart
-
-if TYPE_CHECKING:
-    from astrai.serve.app import ServerState
 
 
 class BlockWriter:

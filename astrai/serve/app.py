@@ -9,10 +9,8 @@ limit, and counts requests by endpoint and status. No model code lives in the ha
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
-import attrs
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -21,26 +19,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
+from astrai.serve import anthropic_api, embeddings_api, openai_api
 from astrai.serve.common import APIError, anthropic_error, openai_error
-from astrai.serve.metrics import Metrics
-
-
-@attrs.define(eq=False)
-class ServerState:
-    """What the route handlers share."""
-
-    engine: Engine
-    model_name: str
-    metrics: Metrics = attrs.Factory(Metrics)
-    created: int = attrs.Factory(lambda: int(time.time()))
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    embeddings: EncoderConfig | None = None  # None: /v1/embeddings answers 404
-
-    @property
-    def tokenizer(self):
-        """The served model's tokenizer (None when the folder has none)."""
-        return self.engine.model.tokenizer
+from astrai.serve.state import ServerState
 
 
 class Guard:
@@ -106,8 +87,6 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
     """
-    from astrai.serve import anthropic_api, embeddings_api, openai_api
-
     state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                         embeddings=embeddings)  # fmt: skip
 

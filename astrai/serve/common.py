@@ -16,9 +16,10 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from astrai.inference.engine import Engine, EngineBusyError, EngineDeadError, RequestHandle
+from astrai.inference.engine import Engine, EngineBusyError, EngineDeadError
+from astrai.inference.handle import RequestHandle
+from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
-from astrai.inference.request import Completion, Delta
 
 
 @attrs.frozen

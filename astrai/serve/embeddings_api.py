@@ -18,19 +18,17 @@ import asyncio
 import base64
 import json
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astrai.api import embed_ids
+from astrai.inference.embed import check_ids, embed_ids
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error
-
-if TYPE_CHECKING:
-    from astrai.serve.app import ServerState
+from astrai.serve.state import ServerState
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 _FORMATS = ("float", "base64")
@@ -85,15 +83,11 @@ def parse_embeddings(state: ServerState, body: dict) -> EmbeddingRequest:
         raise _bad("encoding_format", f"encoding_format must be 'float' or 'base64', got {json.dumps(fmt)[:60]}")
     if "input" not in body:
         raise _bad("input", "input is required")
-    cfg, ids = state.engine.model.config, _inputs(state, body["input"])
-    for i, row in enumerate(ids):
-        if not row:
-            raise _bad("input", f"input[{i}] is empty")
-        if len(row) > cfg.max_position_embeddings:
-            raise _bad("input", f"input[{i}] has {len(row)} tokens; the model's limit is {cfg.max_position_embeddings}")
-        bad = next((t for t in row if not 0 <= t < cfg.vocab_size), None)
-        if bad is not None:
-            raise _bad("input", f"input[{i}] has token id {bad} outside [0, {cfg.vocab_size})")
+    ids = _inputs(state, body["input"])
+    try:
+        check_ids(state.engine.model.config, ids)
+    except ValueError as err:  # empty, too long, or an id outside the vocabulary
+        raise _bad("input", str(err)) from None
     return EmbeddingRequest(ids, fmt == "base64")
 
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from astrai.inference.engine import EngineStats
-from astrai.inference.request import Delta
+from astrai.inference.outputs import Delta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -16,21 +16,23 @@ call (tool_choice "required" / named) that the model fails to complete comes bac
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astrai.inference.engine import EngineDeadError, RequestHandle
-from astrai.inference.request import Completion, Delta
+from astrai.inference.engine import EngineDeadError
+from astrai.inference.handle import RequestHandle
+from astrai.inference.outputs import Completion, Delta
+from astrai.io.token_bytes import TokenBytes
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import (
     Event,
     TextDelta,
@@ -40,55 +42,6 @@ from astrai.serve.tool_calls import (
     ToolCallStart,
     parse_tool_calls,
 )
-
-if TYPE_CHECKING:
-    from astrai.serve.app import ServerState
-
-
-def _byte_decoder() -> dict[str, int]:
-    # GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map to chr(256 + k)
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(256 + k): b for k, b in enumerate(extra)}
-
-
-_BYTE_DECODER = _byte_decoder()
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class TokenText:
-    """A token's own bytes and text, for logprobs (decoding one token alone can split a UTF-8 character)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self._bytes = tokenizer, {}
-        decoder = tokenizer.backend.decoder if tokenizer is not None else None
-        state = decoder.__getstate__() if decoder is not None else b""
-        self._byte_level, self._metaspace = b'"ByteLevel"' in state, b'"Metaspace"' in state
-        self._added = tokenizer.backend.get_added_tokens_decoder() if tokenizer is not None else {}
-
-    def bytes(self, token: int) -> bytes:
-        """The UTF-8 bytes token `token` contributes to the text."""
-        if token not in self._bytes:
-            self._bytes[token] = self._compute(token)
-        return self._bytes[token]
-
-    def text(self, token: int) -> str:
-        """The token as text (an incomplete UTF-8 character comes out as U+FFFD)."""
-        return self.bytes(token).decode("utf-8", errors="replace")
-
-    def _compute(self, token: int) -> bytes:
-        if self.tokenizer is None:
-            return b""
-        if token in self._added:
-            return self._added[token].content.encode()
-        piece = self.tokenizer.id_to_token(token) or ""
-        if self._byte_level and all(c in _BYTE_DECODER for c in piece):
-            return bytes(_BYTE_DECODER[c] for c in piece)
-        if (match := _BYTE_TOKEN.fullmatch(piece)) is not None:
-            return bytes([int(match.group(1), 16)])
-        if self._metaspace:
-            return piece.replace("\u2581", " ").encode()
-        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -133,7 +86,7 @@ async def _collect(state: ServerState, request: Request, handle: RequestHandle, 
     return handle.completion
 
 
-def _chat_logprobs(texts: TokenText, ids: tuple[int, ...], lps: Any, tops: Any) -> dict:
+def _chat_logprobs(texts: TokenBytes, ids: tuple[int, ...], lps: Any, tops: Any) -> dict:
     def entry(token: int, logprob: float) -> dict:
         return {"token": texts.text(token), "logprob": max(logprob, -9999.0), "bytes": list(texts.bytes(token))}
 
@@ -158,7 +111,7 @@ def _chunk_deltas(events: list[Event]) -> list[dict]:
 async def _chat_stream(state: ServerState, request: Request, handle: RequestHandle, chat: ChatRequest,
                        head: dict) -> AsyncIterator[str]:  # fmt: skip
     tail = {"usage": None} if chat.include_usage else {}
-    texts = TokenText(state.tokenizer)
+    texts = TokenBytes(state.tokenizer)
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -193,14 +146,15 @@ def _openai_call(call: ToolCall) -> dict:
 
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
-    chat = parse_chat(state, await common.json_body(request))
+    body = await common.json_body(request)
+    chat = parse_chat(body, state.tokenizer, vocab_size=state.vocab_size, context=state.context)
     handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if chat.stream:
         return common.stream_response(_chat_stream(state, request, handle, chat,
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
-    texts, choices = TokenText(state.tokenizer), []
+    texts, choices = TokenBytes(state.tokenizer), []
     for out in completion.outputs:
         text, calls = parse_tool_calls(out.text, chat.tool_names, chat.prefill) if chat.parse else (out.text, [])
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
@@ -215,7 +169,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
 
 
 # ---- legacy completions -------------------------------------------------------------------------------------
-def _legacy_logprobs(texts: TokenText, ids: Any, lps: Any, tops: Any, offset: int) -> dict:
+def _legacy_logprobs(texts: TokenBytes, ids: Any, lps: Any, tops: Any, offset: int) -> dict:
     tokens = [texts.text(t) for t in ids]
     offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
     top = [{texts.text(a): max(b, -9999.0) for a, b in alts} for alts in tops] if tops else None
@@ -224,13 +178,14 @@ def _legacy_logprobs(texts: TokenText, ids: Any, lps: Any, tops: Any, offset: in
 
 
 async def _completions(state: ServerState, request: Request) -> Response:
-    req = parse_completion(state, await common.json_body(request))
+    body = await common.json_body(request)
+    req = parse_completion(body, state.tokenizer, vocab_size=state.vocab_size, context=state.context)
     handle = common.submit(state.engine, req.prompt, req.params, busy_status=429)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip
     if req.stream:
         return common.stream_response(_completion_stream(state, request, handle, req, head))
-    completion, texts = await _collect(state, request, handle, len(req.prompt)), TokenText(state.tokenizer)
+    completion, texts = await _collect(state, request, handle, len(req.prompt)), TokenBytes(state.tokenizer)
     choices = []
     for o in completion.outputs:
         lp = None
@@ -243,7 +198,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
 
 async def _completion_stream(state: ServerState, request: Request, handle: RequestHandle, req: CompletionRequest,
                              head: dict) -> AsyncIterator[str]:  # fmt: skip
-    tail, texts = {"usage": None} if req.include_usage else {}, TokenText(state.tokenizer)
+    tail, texts = {"usage": None} if req.include_usage else {}, TokenBytes(state.tokenizer)
     offsets: dict[int, int] = {}  # per choice: characters sent so far (legacy text_offset)
     try:
         async for d in _engine_deltas(state, request, handle, len(req.prompt)):

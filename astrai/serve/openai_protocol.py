@@ -41,7 +41,7 @@ from astrai.serve.common import APIError
 from astrai.serve.tools_common import FORCE_ANY, TOOL_NAME, force_tool, function_tool, template_call, tool_names
 
 if TYPE_CHECKING:
-    from astrai.serve.app import ServerState
+    from astrai.io.tokenizer import Tokenizer
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNSUPPORTED = {"functions": "use tools", "function_call": "use tool_choice", "audio": "audio output",
@@ -119,7 +119,7 @@ _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_pe
            "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop"}  # fmt: skip
 
 
-def _sampling(state: ServerState, body: dict, *, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
     """SamplingParams from the request fields, validated; `top_logprobs` None: no logprobs."""
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -139,18 +139,16 @@ def _sampling(state: ServerState, body: dict, *, max_tokens: int, top_logprobs: 
         ignore_eos=_flag(body, "ignore_eos"),
     )
     try:
-        params.check(state.engine.model.config.vocab_size)
+        params.check(vocab_size)
     except ValueError as err:  # the message starts with the field's name
         field = str(err).split()[0]
         raise _bad(field if field in _PARAMS else None, str(err)) from None
     return params
 
 
-def _max_tokens(state: ServerState, body: dict, keys: tuple[str, ...], prompt_len: int, default: int | None,
-                prompt_param: str) -> int:  # fmt: skip
-    """The first of `keys` given, else `default` or else the rest of the context (capped by the KV pool)."""
-    engine = state.engine
-    context = min(engine.max_model_len, (engine.pool.num_pages - 1) * engine.config.page_size)
+def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, default: int | None, prompt_param: str,
+                context: int) -> int:  # fmt: skip
+    """The first of `keys` given, else `default` or else the rest of the `context` (tokens a sequence may hold)."""
     if prompt_len >= context:
         raise _bad(prompt_param, f"the prompt has {prompt_len} tokens, but the model's context is {context} tokens: "
                                  "no room to generate")  # fmt: skip
@@ -283,12 +281,14 @@ class ChatRequest:
     prefill: str
 
 
-def parse_chat(state: ServerState, body: dict) -> ChatRequest:
+def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int) -> ChatRequest:
     """Validate a /v1/chat/completions body and render its prompt through the chat template.
 
     Args:
-        state: the server (tokenizer, engine limits, vocabulary size).
         body: the request's JSON object.
+        tokenizer: the served model's tokenizer (None: chat is refused).
+        vocab_size: token ids (logit_bias keys) must be below it.
+        context: tokens one sequence may hold, prompt and completion together.
 
     Returns:
         The request with its prompt as token ids (template + tool-call pre-fill).
@@ -305,32 +305,33 @@ def parse_chat(state: ServerState, body: dict) -> ChatRequest:
     messages, tools = _messages(body), _tools(body)
     parse, prefill = _tool_choice(body, tools)
     rendered = tools if parse else []
-    if state.tokenizer is None:
+    if tokenizer is None:
         raise _bad(None, "the served model has no tokenizer: use /v1/completions with token ids")
     try:
-        text = state.tokenizer.apply_chat_template(messages, tools=rendered or None, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=rendered or None, tokenize=False)
     except (ValueError, TypeError) as err:
         raise _bad("messages", f"the chat template rejected the messages: {err}") from None
-    prompt = state.tokenizer.encode(text + prefill, add_special_tokens=False)
+    prompt = tokenizer.encode(text + prefill, add_special_tokens=False)
     top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not _flag(body, "logprobs"):
         raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
     keys = ("max_completion_tokens", "max_tokens")
-    max_tokens = _max_tokens(state, body, keys, len(prompt), None, "messages")
-    params = _sampling(state, body, max_tokens=max_tokens, top_logprobs=(top or 0) if _flag(body, "logprobs") else None)
+    max_tokens = _max_tokens(body, keys, len(prompt), None, "messages", context)
+    top_logprobs = (top or 0) if _flag(body, "logprobs") else None
+    params = _sampling(body, vocab_size, max_tokens=max_tokens, top_logprobs=top_logprobs)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return ChatRequest(prompt, params, _flag(body, "stream"), include_usage, parse, tool_names(rendered), prefill)
 
 
 # ---- legacy completions -------------------------------------------------------------------------------------
-def _prompt_ids(state: ServerState, prompt: Any) -> tuple[list[int], str | None]:
+def _prompt_ids(tokenizer: Tokenizer | None, prompt: Any) -> tuple[list[int], str | None]:
     """(token ids, the prompt's text when it was given as text)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        if state.tokenizer is None:
+        if tokenizer is None:
             raise _bad("prompt", "the served model has no tokenizer: send the prompt as token ids")
-        return state.tokenizer.encode(prompt), prompt
+        return tokenizer.encode(prompt), prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt), None
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
@@ -350,12 +351,14 @@ class CompletionRequest:
     include_usage: bool
 
 
-def parse_completion(state: ServerState, body: dict) -> CompletionRequest:
+def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int) -> CompletionRequest:
     """Validate a /v1/completions body.
 
     Args:
-        state: the server (tokenizer, engine limits, vocabulary size).
         body: the request's JSON object.
+        tokenizer: the served model's tokenizer (None: only token-id prompts).
+        vocab_size: token ids (prompt, logit_bias keys) must be below it.
+        context: tokens one sequence may hold, prompt and completion together.
 
     Returns:
         The request, its prompt as token ids.
@@ -364,12 +367,12 @@ def parse_completion(state: ServerState, body: dict) -> CompletionRequest:
         APIError: 400 naming the offending field in `param`.
     """
     _common_checks(body)
-    ids, text = _prompt_ids(state, body.get("prompt"))
+    ids, text = _prompt_ids(tokenizer, body.get("prompt"))
     k = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     if _flag(body, "echo") and k is not None:
         raise _bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
-    max_tokens = _max_tokens(state, body, ("max_tokens",), len(ids), 16, "prompt")
-    params = _sampling(state, body, max_tokens=max_tokens, top_logprobs=k)
-    echo = "" if not _flag(body, "echo") else text if text is not None else state.tokenizer.decode(ids)
+    max_tokens = _max_tokens(body, ("max_tokens",), len(ids), 16, "prompt", context)
+    params = _sampling(body, vocab_size, max_tokens=max_tokens, top_logprobs=k)
+    echo = "" if not _flag(body, "echo") else text if text is not None else tokenizer.decode(ids)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return CompletionRequest(ids, params, k, echo, _flag(body, "stream"), include_usage)

@@ -282,15 +282,25 @@ class ToolCallParser:
             if self._all[j] not in "{[":
                 return self._fail_call()
             self._scanner = _Scanner(j)
-        end = self._scanner.scan(self._all)
-        if end is None:
-            return self._fail_call() if final else False
-        decoded = _decode_calls(self._all[self._scanner.start : end], self.tool_names) if end > 0 else None
+        scanned = self._scan_json(final)
+        if scanned is None:
+            return False
+        end, decoded = scanned
         if decoded is None:
             return self._fail_call()
         self._emit_calls(decoded)
         self._cur, self._mode = end, "after"
         return True
+
+    def _scan_json(self, final: bool) -> tuple[int, list | None] | None:
+        """Scan the JSON value the scanner started on: None while it may still grow; else (its end, the decoded
+        calls, or None when it is incomplete at the end of the text or not a valid call)."""
+        assert self._scanner is not None
+        end = self._scanner.scan(self._all)
+        if end is None:
+            return (0, None) if final else None
+        decoded = _decode_calls(self._all[self._scanner.start : end], self.tool_names) if end > 0 else None
+        return end, decoded
 
     def _fail_call(self) -> bool:
         # the tag (and the whitespace before it) becomes text; what followed it is scanned again as text
@@ -314,11 +324,10 @@ class ToolCallParser:
         return True
 
     def _bare(self, final: bool) -> bool:
-        assert self._scanner is not None
-        end = self._scanner.scan(self._all)
-        if end is None:
-            return self._fail_bare() if final else False
-        decoded = _decode_calls(self._all[self._scanner.start : end], self.tool_names) if end > 0 else None
+        scanned = self._scan_json(final)
+        if scanned is None:
+            return False
+        end, decoded = scanned
         if decoded is None:
             return self._fail_bare()
         self._pending, self._cur, self._mode = decoded, end, "bare_done"

@@ -1,9 +1,13 @@
 """The host training loop behind `astrai train`: data, schedule, progress, eval, checkpoints, resume, signals.
 
-Never compiled itself; each optimiser step calls `TrainStep` (whose loss is compiled). Order per step:
+Never compiled itself; each optimiser step calls `TrainStep` (whose loss is compiled), eval calls `eval_sums`;
+both get the trees they read as arguments from the run. Order per step:
 sample a global batch → accumulate micro-batch gradients → all-reduce → clip → AdamW → log the *post-clip*
 step's metrics → eval when due → checkpoint when due (the checkpoint holds the weights *after* that step, so
 resuming from step N replays exactly steps N+1...). SIGTERM/SIGINT finish the current step, save, and return.
+
+The base model is a `ModelConfig` (random init) or `TrainConfig.model` as a folder; resolving a name such as
+"tiny" to a `ModelConfig` is the caller's job (the CLI reads `configs/models.py`: the library never imports it).
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import torch
 
 from astrai.data.batch import LMBatch
 from astrai.io.checkpoint import write_json
+from astrai.io.lora import load_lora, save_lora
 from astrai.io.model import Model, load, save
 from astrai.io.tokenizer import Tokenizer
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, init_params
-from astrai.nn.lora import apply_lora, init_lora, load_lora, merge_lora, save_lora
+from astrai.nn.lora import apply_lora, init_lora, merge_lora
 from astrai.train import distributed
 from astrai.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from astrai.train.config import TrainConfig, config_to_dict
@@ -34,7 +39,7 @@ from astrai.train.plot import loss_curve_png
 from astrai.train.progress import TrainProgress
 from astrai.train.schedule import lr_at
 from astrai.train.signals import StopRequest
-from astrai.train.step import StepOptions, TrainState, TrainStep, init_train_state, is_packed, lm_loss
+from astrai.train.step import StepOptions, TrainState, TrainStep, eval_sums, full_params, init_train_state
 from astrai.tree import from_named_tensors, named_tensors, to_device
 
 
@@ -50,20 +55,19 @@ class TrainResult:
     eval_loss: float | None
 
 
-def _base_model(cfg: TrainConfig, device: torch.device) -> tuple[ModelConfig, DecoderParams, Tokenizer | None, tuple]:
-    """(config, fp32 params on device, tokenizer, eos ids): a named random init or a model folder."""
-    from configs.models import NAMED
-
+def _base_model(
+    cfg: TrainConfig, model_cfg: ModelConfig | None, device: torch.device
+) -> tuple[ModelConfig, DecoderParams, Tokenizer | None, tuple]:
+    """(config, fp32 params on device, tokenizer, eos ids): a random init of `model_cfg` or the folder `cfg.model`."""
     tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer is not None else None
-    if cfg.model in NAMED:
-        model_cfg = NAMED[cfg.model]()
+    if model_cfg is not None:
         if tokenizer is not None:
             eos = tokenizer.eos_token_ids
             model_cfg = attrs.evolve(model_cfg, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None)
         params = init_params(attrs.evolve(model_cfg, dtype="float32"), seed=cfg.seed, device=device)
         return model_cfg, params, tokenizer, tuple(model_cfg.eos_token_id)
     if not Path(cfg.model).is_dir():
-        raise ValueError(f"model {cfg.model!r} is neither a named config ({', '.join(sorted(NAMED))}) nor a folder")
+        raise ValueError(f"model {cfg.model!r} is not a model folder (for a named config, pass its ModelConfig)")
     model = load(cfg.model, dtype=torch.float32, device=device)
     return model.config, model.params, tokenizer or model.tokenizer, model.eos_token_ids
 
@@ -71,21 +75,21 @@ def _base_model(cfg: TrainConfig, device: torch.device) -> tuple[ModelConfig, De
 class _Run:
     """The state of one run on one rank (host objects; tensors live in `state`)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, model_cfg: ModelConfig | None) -> None:
         self.cfg = cfg
         self.dist = distributed.setup(cfg.device)
         self.device = self.dist.device
         self.run_dir = Path(cfg.out_dir)
         torch.manual_seed(cfg.seed)
-        self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, self.device)
+        self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, model_cfg, self.device)
         self.data: TrainData = open_data(cfg, rank=self.dist.rank, world_size=self.dist.world_size)
-        if cfg.lora is not None:
-            self.lora_cfg = cfg.lora
-            trainable, frozen = init_lora(self.base, cfg.lora, seed=cfg.seed), self.base
-            to_params = apply_lora
+        # trainable: what the optimiser updates; frozen + to_params: how the forward's tree is built from it
+        self.lora_cfg = cfg.lora
+        if cfg.lora is None:
+            trainable, self.frozen, self.to_params = self.base, None, full_params
         else:
-            self.lora_cfg = None
-            trainable, frozen, to_params = self.base, None, lambda _frozen, params: params
+            trainable = init_lora(self.base, cfg.lora, seed=cfg.seed)
+            self.frozen, self.to_params = self.base, apply_lora
         if cfg.fsdp and cfg.lora is not None:
             raise ValueError("fsdp with lora is not supported: the adapters are small, use plain data parallel")
         self.sharded = cfg.fsdp and self.dist.world_size > 1  # ZeRO-3 over the ranks (astrai.train.fsdp)
@@ -101,7 +105,7 @@ class _Run:
             compile=cfg.compile,
         )
         self.step_fn = TrainStep(
-            self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, frozen=frozen, to_params=to_params,
+            self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
             sharded=self.sharded,
         )  # fmt: skip
         self.schedule = cfg.schedule if cfg.schedule.total_steps else attrs.evolve(cfg.schedule, total_steps=cfg.steps)
@@ -174,15 +178,11 @@ class _Run:
         batches = self.data.eval_batches(self.cfg.eval_batches, self.cfg.batch_size)
         if not batches:
             return None
-        total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        batches = [to_device(batch, self.device) for batch in batches]
         trainable = gather_tree(self.state.trainable) if self.sharded else self.state.trainable
-        params = self.step_fn.to_params(self.step_fn.frozen, trainable)
-        for batch in batches:
-            batch = to_device(batch, self.device)
-            one = torch.ones((), device=self.device)
-            _, task_sum, _ = lm_loss(params, batch, one, cfg=self.model_cfg, opts=self.opts, packed=is_packed(batch))
-            total += task_sum
-            count += batch.loss_mask.sum()
+        total, count = eval_sums(
+            trainable, self.frozen, batches, cfg=self.model_cfg, opts=self.opts, to_params=self.to_params
+        )
         if self.dist.world_size > 1:
             both = torch.stack([total, count])
             torch.distributed.all_reduce(both)
@@ -194,8 +194,15 @@ def _micro_batches(run: _Run, batches: Iterator[list[LMBatch]]) -> list[LMBatch]
     return [to_device(mb, run.device) for mb in next(batches)]
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run (or resume) training as configured; returns where the results are. Rank 0 writes all files."""
+def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None) -> TrainResult:
+    """Run (or resume) training as configured; returns where the results are. Rank 0 writes all files.
+
+    Args:
+        cfg: the run.
+        model_cfg: the base model's shape for a random init (`cfg.model` is then only its name, kept in the
+            run's config.json; vocabulary and eos follow `cfg.tokenizer` when one is given). None: `cfg.model`
+            is a model folder to fine-tune. The CLI resolves names from `configs/models.py` to a ModelConfig.
+    """
     run_dir = Path(cfg.out_dir)
     previous = latest_checkpoint(run_dir)
     if previous is not None and not cfg.resume:
@@ -203,7 +210,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             f"{run_dir} already has checkpoints (newest: {previous.name}); pass --resume to continue it "
             "or choose another --out-dir"
         )
-    run = _Run(cfg)
+    run = _Run(cfg, model_cfg)
     try:
         return _train(run, previous if cfg.resume else None)
     finally:
@@ -226,7 +233,7 @@ def _train(run: _Run, previous: Path | None) -> TrainResult:
             t0 = time.perf_counter()
             micro = _micro_batches(run, batches)
             lr = lr_at(run.schedule, cfg.optim.lr, run.step)
-            metrics = run.step_fn(run.state, micro, lr)
+            metrics = run.step_fn(run.state, micro, lr, run.frozen)
             run.step += 1
             values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
             run.tokens_seen += int(values.pop("tokens"))

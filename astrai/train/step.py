@@ -1,8 +1,11 @@
 """The train step: masked causal-LM loss over packed rows, gradient accumulation, clipping and AdamW.
 
-`lm_loss` is a pure function of (params, batch) and is what gets compiled (forward + backward through
-AOTAutograd, as torchtitan compiles its blocks); `TrainStep.__call__` is the thin host part around it that
-sums micro-batch gradients, all-reduces them across data-parallel ranks, clips and updates in place.
+`train_loss` is a pure function of its arguments (trainable tree, frozen tree, batch, normaliser) with the
+static settings (model config, step options, `to_params`) bound by `functools.partial`; it is what gets
+compiled (forward + backward through AOTAutograd, as torchtitan compiles its blocks). `TrainStep.__call__` is
+the thin host part around it that sums micro-batch gradients, all-reduces them across data-parallel ranks,
+clips and updates in place. `eval_sums` is the eval pass over the same loss, also a function of explicit
+inputs.
 
 Notable features:
 - Token-level normalisation: every micro-batch's loss is its *sum* over trained tokens divided by the trained
@@ -133,8 +136,67 @@ def lm_loss(
     return loss / norm, task.detach(), stats
 
 
-def _full_params(frozen: Any, trainable: Any) -> Any:
+def full_params(frozen: Any, trainable: Any) -> Any:
+    """`to_params` when the whole tree trains: the trainable tree itself (`frozen` is None)."""
     return trainable
+
+
+def train_loss(
+    trainable: Any,
+    frozen: Any,
+    batch: LMBatch,
+    norm: Tensor,
+    packed: bool,
+    *,
+    cfg: ModelConfig,
+    opts: StepOptions,
+    to_params: Callable[[Any, Any], DecoderParams] = full_params,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """`lm_loss` on the tree `to_params(frozen, trainable)`: the function the train step compiles.
+
+    Everything it reads is an argument; `cfg`, `opts` and `to_params` are static and bound with
+    `functools.partial` before compiling.
+
+    Args:
+        trainable: the tree the optimiser updates (the whole model, or LoRA adapters).
+        frozen: the tree that does not train (the LoRA base), or None.
+        batch: one micro-batch.
+        norm: trained tokens of the whole global batch (the loss is a sum divided by it).
+        packed: whether some row holds several documents (`is_packed`, decided on the host).
+        cfg: the model's config.
+        opts: the step's static settings.
+        to_params: builds the forward's tree from (frozen, trainable), e.g. `apply_lora` or `full_params`.
+
+    Returns:
+        As `lm_loss`.
+    """
+    return lm_loss(to_params(frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed)
+
+
+@torch.no_grad()
+def eval_sums(
+    trainable: Any,
+    frozen: Any,
+    batches: Sequence[LMBatch],
+    *,
+    cfg: ModelConfig,
+    opts: StepOptions,
+    to_params: Callable[[Any, Any], DecoderParams] = full_params,
+) -> tuple[Tensor, Tensor]:
+    """(summed task loss, trained tokens) over `batches` on this rank, eager; the eval loss is their ratio.
+
+    Takes the same inputs as `train_loss` (full, unsharded `trainable`; batches on the params' device), so
+    the eval pass reads nothing from the train step object.
+    """
+    params = to_params(frozen, trainable)
+    device = batches[0].tokens.device if batches else None
+    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
+    one = torch.ones((), device=device)
+    for batch in batches:
+        _, task_sum, _ = lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=is_packed(batch))
+        total += task_sum
+        count += batch.loss_mask.sum()
+    return total, count
 
 
 def init_train_state(trainable: Any, optim: AdamWConfig | None = None) -> TrainState:
@@ -158,10 +220,12 @@ def _all_reduce_sum_(tensors: list[Tensor]) -> None:
 
 
 class TrainStep:
-    """Callable `(state, micro_batches, lr) -> metrics`: one optimiser step over a global batch.
+    """Callable `(state, micro_batches, lr, frozen=None) -> metrics`: one optimiser step over a global batch.
 
-    Host code (never compiled itself); `lm_loss` inside it is. State is updated in place (AdamW on the leaves,
-    like `torch.optim`), so the caller keeps using the same `TrainState`.
+    Host code (never compiled itself); `train_loss` inside it is, with only the static settings bound. The
+    object holds nothing but those settings: the trees, batches and learning rate come in with each call.
+    State is updated in place (AdamW on the leaves, like `torch.optim`), so the caller keeps using the same
+    `TrainState`.
     """
 
     def __init__(
@@ -171,23 +235,22 @@ class TrainStep:
         optim: AdamWConfig,
         *,
         trainable: Any,
-        frozen: Any = None,
-        to_params: Callable[[Any, Any], DecoderParams] = _full_params,
+        to_params: Callable[[Any, Any], DecoderParams] = full_params,
         sharded: bool = False,
     ) -> None:
-        self.cfg, self.opts, self.optim = cfg, opts, optim
-        self.frozen, self.to_params = frozen, to_params
+        self.opts, self.optim = opts, optim
         self.sharded = sharded  # trainable leaves are Shard(0) DTensors (astrai.train.fsdp)
-        self.decay = decay_mask(trainable)
-        loss = functools.partial(self._loss, cfg=cfg, opts=opts)
+        self.decay = decay_mask(trainable)  # from the tree's names and shapes only
+        loss = functools.partial(train_loss, cfg=cfg, opts=opts, to_params=to_params)
         self.loss = torch.compile(loss) if opts.compile else loss
 
-    def _loss(self, trainable: Any, batch: LMBatch, norm: Tensor, packed: bool, *, cfg: ModelConfig,
-              opts: StepOptions):  # fmt: skip
-        return lm_loss(self.to_params(self.frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed)
+    def __call__(
+        self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float, frozen: Any = None
+    ) -> dict[str, Tensor]:
+        """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics.
 
-    def __call__(self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float) -> dict[str, Tensor]:
-        """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics."""
+        `frozen` is the tree that does not train (the LoRA base), passed to the loss as an input.
+        """
         if not micro_batches:
             raise ValueError("a train step needs at least one micro-batch")
         device = micro_batches[0].tokens.device
@@ -200,7 +263,7 @@ class TrainStep:
         stats: dict[str, Tensor] = {}  # router statistics summed over micro-batches (and ranks below)
         for mb in micro_batches:
             trainable = gather_tree(state.trainable) if self.sharded else state.trainable
-            loss, task_sum, mb_stats = self.loss(trainable, mb, norm, is_packed(mb))
+            loss, task_sum, mb_stats = self.loss(trainable, frozen, mb, norm, is_packed(mb))
             loss.backward()
             total += task_sum
             for name, value in mb_stats.items():

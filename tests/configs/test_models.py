@@ -3,11 +3,11 @@
 import pytest
 import transformers
 
+from astrai.configs.models import NAMED
 from astrai.io.hf import config_from_hf, config_to_hf
 from astrai.models.config import check_config
 from astrai.models.decoder import init_params_meta
 from astrai.tree import count
-from configs.models import NAMED
 
 # Published parameter counts (tied embeddings counted once).
 PUBLISHED = {"smollm2-135m": 134_515_008, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}

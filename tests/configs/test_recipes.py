@@ -3,9 +3,9 @@
 import pytest
 import tyro
 
+from astrai.configs.models import NAMED
+from astrai.configs.recipes import RECIPES
 from astrai.train.config import TrainConfig, config_from_dict, config_to_dict
-from configs.models import NAMED
-from configs.recipes import RECIPES
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuda_ref import compile_check
+from astrai.cuda_ref import compile_check
 
 needs_nvcc = pytest.mark.skipif(compile_check.find_nvcc() is None, reason="nvcc not found (PATH or CUDA_HOME)")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _attn_cases import PagedCase, decode_case, extend_case, rotary_case
 
-import cuda_ref
+from astrai import cuda_ref
 from helpers import TOLERANCES, assert_close
 
 pytestmark = [
@@ -46,7 +46,7 @@ def _cuda(case: PagedCase) -> PagedCase:
 
 
 def _run_decode(case: PagedCase, allow_mma: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from triton_kernels.decode_attention import decode_attention_ref
+    from astrai.triton_kernels.decode_attention import decode_attention_ref
 
     g = _cuda(case)
     before = [t.clone() for t in g.tensors()]
@@ -59,7 +59,7 @@ def _run_decode(case: PagedCase, allow_mma: bool) -> tuple[torch.Tensor, torch.T
 
 
 def _run_extend(case: PagedCase, allow_mma: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from triton_kernels.extend_attention import extend_attention_ref
+    from astrai.triton_kernels.extend_attention import extend_attention_ref
 
     g = _cuda(case)
     before = [t.clone() for t in g.tensors()]
@@ -103,7 +103,7 @@ def test_extend_matches_ref(group, kv_heads, head_dim, page_size, window, dtype,
 @pytest.mark.parametrize("table_rows", [None, 4096])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotary_matches_ref(dtype, interleaved, table_rows, head_dim):
-    from triton_kernels.rotary import rotary_ref
+    from astrai.triton_kernels.rotary import rotary_ref
 
     q, k, cos, sin, positions = rotary_case(37, 8, 2, head_dim, dtype, table_rows=table_rows)
     gq, gk = q.cuda(), k.cuda()
@@ -120,7 +120,7 @@ def test_rotary_matches_ref(dtype, interleaved, table_rows, head_dim):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_in_cuda_graph(dtype):
     """Capture on a side stream and replay with new queries: launches use the current stream, never sync."""
-    from triton_kernels.decode_attention import decode_attention_ref
+    from astrai.triton_kernels.decode_attention import decode_attention_ref
 
     case = decode_case([5, 300, 64], group=4, kv_heads=2, head_dim=128, page_size=16, dtype=dtype)
     g = _cuda(case)
@@ -141,7 +141,7 @@ def test_decode_in_cuda_graph(dtype):
 
 def test_int64_offsets():
     """Pages placed past 2^31 elements into the pool: slot arithmetic must be 64-bit (~8.6 GB of GPU memory)."""
-    from triton_kernels.decode_attention import decode_attention_ref
+    from astrai.triton_kernels.decode_attention import decode_attention_ref
 
     dtype, head_dim, page_size = torch.bfloat16, 128, 16
     base = decode_case([50, 300], group=4, kv_heads=1, head_dim=head_dim, page_size=page_size, dtype=dtype)

@@ -46,7 +46,7 @@ def _assert_unchanged(case: PagedCase, before: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize(("dtype", "mma"), PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize(("group", "kv_heads", "head_dim", "page_size", "window"), DECODE_SHAPES)
 def test_decode_matches_ref(sim, dtype, mma, group, kv_heads, head_dim, page_size, window):
-    from triton_kernels.decode_attention import decode_attention_ref
+    from astrai.triton_kernels.decode_attention import decode_attention_ref
 
     # padding row, single token, tile edges (16, 17), and a long row that gets several splits
     lens = [0, 1, 16, 17, 40, 300]
@@ -66,7 +66,7 @@ def test_decode_matches_ref(sim, dtype, mma, group, kv_heads, head_dim, page_siz
 @pytest.mark.parametrize(("dtype", "mma"), PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize(("group", "kv_heads", "head_dim", "page_size", "window"), EXTEND_SHAPES)
 def test_extend_matches_ref(sim, dtype, mma, group, kv_heads, head_dim, page_size, window):
-    from triton_kernels.extend_attention import extend_attention_ref
+    from astrai.triton_kernels.extend_attention import extend_attention_ref
 
     # plain prefill over two 64-row tiles, a decode-like row, an empty request, a chunk after a long prefix
     pairs = [(0, 70), (33, 1), (0, 0), (90, 17)]
@@ -85,7 +85,7 @@ def test_extend_matches_ref(sim, dtype, mma, group, kv_heads, head_dim, page_siz
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("table_rows", [None, 50])
 def test_rotary_matches_ref(sim, dtype, interleaved, table_rows):
-    rotary_ref = pytest.importorskip("triton_kernels.rotary").rotary_ref
+    rotary_ref = pytest.importorskip("astrai.triton_kernels.rotary").rotary_ref
     q, k, cos, sin, positions = rotary_case(7, 4, 2, 64, dtype, table_rows=table_rows)
     q0, k0 = q.clone(), k.clone()
     q_out, k_out = sim.rotary(q, k, cos, sin, positions, interleaved=interleaved)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-import cuda_ref
+from astrai import cuda_ref
 
 
 def test_reason_matches_availability() -> None:

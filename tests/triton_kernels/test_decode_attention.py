@@ -11,8 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.triton_kernels.decode_attention import (
+    _decode_attention,
+    _num_splits,
+    decode_attention,
+    decode_attention_ref,
+)
 from helpers import DEVICE, TOLERANCES, assert_close
-from triton_kernels.decode_attention import _decode_attention, _num_splits, decode_attention, decode_attention_ref
 
 # Mixed lengths: a single token, lengths that are not multiples of a block (16), an exact multiple, and a
 # padding row (0).
@@ -149,7 +154,7 @@ _AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton_kernels.decode_attention import _decode_stage1_kernel as s1, _decode_stage2_kernel as s2
+from astrai.triton_kernels.decode_attention import _decode_stage1_kernel as s1, _decode_stage2_kernel as s2
 
 def build(fn, types, consts, **options):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from astrai.triton_kernels.extend_attention import extend_attention, extend_attention_ref
 from helpers import TOLERANCES, assert_close
-from triton_kernels.extend_attention import extend_attention, extend_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = list(TOLERANCES)
@@ -143,7 +143,7 @@ def test_opcheck() -> None:
 @pytest.mark.parametrize("group", [1, 7, 16, 256])
 def test_autotune_prune_keeps_valid_configs(dtype: torch.dtype, head_dim_pad: int, group: int) -> None:
     # Host-side part of the GPU launch: every kept config holds one token of the group per block.
-    from triton_kernels.extend_attention import _configs, _keep
+    from astrai.triton_kernels.extend_attention import _configs, _keep
 
     kept = _keep(_configs(), {"q_ptr": torch.empty(1, dtype=dtype)}, GROUP=group, HEAD_DIM_PAD=head_dim_pad)
     assert kept and all(c.kwargs["BLOCK_M"] >= group for c in kept)

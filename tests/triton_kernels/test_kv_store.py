@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from astrai.triton_kernels.kv_store import kv_store_, kv_store_ref_
 from helpers import DEVICE
-from triton_kernels.kv_store import kv_store_, kv_store_ref_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from astrai.triton_kernels.mla_decode import _mla_decode, mla_decode, mla_decode_ref
 from helpers import DEVICE, TOLERANCES, assert_close
-from triton_kernels.mla_decode import _mla_decode, mla_decode, mla_decode_ref
 
 # A single token, lengths off a block multiple (16), an exact multiple, and a padding row (0).
 LENS = [1, 37, 0, 32, 5]
@@ -131,7 +131,7 @@ _AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton_kernels.mla_decode import _mla_decode_stage1_kernel as s1
+from astrai.triton_kernels.mla_decode import _mla_decode_stage1_kernel as s1
 
 for dt, page, block_n, splits in [("bf16", 64, 16, 1), ("fp16", 1, 32, 4), ("fp32", 16, 16, 2)]:
     types = {n: "*" + dt for n in ("q_ptr", "cache_ptr", "out_ptr")}

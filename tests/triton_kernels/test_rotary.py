@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.triton_kernels.rotary import rotary, rotary_ref
 from helpers import TOLERANCES, assert_close
-from triton_kernels.rotary import rotary, rotary_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = list(TOLERANCES)

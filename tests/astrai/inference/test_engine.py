@@ -276,6 +276,17 @@ def test_foreground_engine_steps_on_the_calling_thread(pair, prompts, reference)
         assert not engine.step()
 
 
+def test_foreground_abort_before_any_step_never_runs_the_request(pair, prompts):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, background=False)) as engine:
+        handle = engine.submit(prompts[0], GREEDY)
+        handle.abort()  # still in the engine's inbox: it must not reach the scheduler afterwards
+        done = handle.result()
+        assert done.outputs[0].finish_reason == "abort" and done.outputs[0].token_ids == ()
+        assert not engine.step()
+        _assert_idle_and_clean(engine)
+
+
 def test_failed_graph_capture_names_the_way_out(pair, monkeypatch):
     _, model = pair
     with Engine(model, EngineConfig(compile=False, max_running=4, background=False)) as engine:

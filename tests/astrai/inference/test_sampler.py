@@ -14,14 +14,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from astrai.inference.noise import exponential_noise
 from astrai.inference.params import SamplingParams
-from astrai.inference.sampler import (
-    exponential_noise,
-    make_sampling_batch,
-    penalize_logits,
-    process_logits,
-    sample,
-)
+from astrai.inference.sampler import penalize_logits, process_logits, sample
+from astrai.inference.sampling_batch import make_sampling_batch
 from helpers import assert_close
 
 P = SamplingParams

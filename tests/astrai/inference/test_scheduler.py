@@ -5,14 +5,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astrai.inference.params import SamplingParams
+from astrai.inference.plan import SampledToken
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
-from astrai.inference.request import Request, Status
 from astrai.inference.scheduler import Scheduler
+from astrai.inference.seq import Seq, Status
 
 
 def _req(i, prompt, max_tokens=4):
-    return Request(id=f"r{i}", index=0, prompt=list(prompt), params=SamplingParams(max_tokens=max_tokens), seed=i,
+    return Seq(id=f"r{i}", index=0, prompt=list(prompt), params=SamplingParams(max_tokens=max_tokens), seed=i,
                    arrival=i)  # fmt: skip
 
 
@@ -27,7 +28,7 @@ def _step(sched, log=None):
     plan = sched.schedule()
     if log is not None:
         log.append(plan)
-    sched.update(plan, {i: (7, None, None) for i, item in enumerate(plan) if item.sample})
+    sched.update(plan, {i: SampledToken(7) for i, item in enumerate(plan) if item.sample})
     return plan
 
 
@@ -69,7 +70,7 @@ def test_prefix_hit_skips_cached_pages_and_keeps_the_last_token():
     sched.add([b])
     plan = sched.schedule()
     assert plan[0].start == 12 and b.num_cached == 12  # three cached pages
-    sched.update(plan, {0: (7, None, None)})
+    sched.update(plan, {0: SampledToken(7)})
     _run(sched)
     sched.add([c])  # fully cached prompt: recompute its last token for logits (start 8, not 12)
     assert sched.schedule()[0].start == 8
@@ -93,10 +94,31 @@ def test_abort_frees_pages_and_records_nothing():
     _step(sched)
     _step(sched)
     assert sched.pool.num_used > 0
-    removed = sched.abort("r0")
-    assert removed == [a] and a.finish_reason == "abort" and a.status is Status.FINISHED
+    sched.abort([a])
+    assert a.finish_reason == "abort" and a.status is Status.FINISHED
     assert sched.pool.num_used == sched.radix.num_cached_pages
     assert not sched.has_work()
+
+
+def test_abort_ends_sequences_the_scheduler_never_saw():
+    sched = _sched()
+    a, b = _req(0, range(1, 10)), _req(1, range(1, 10))
+    sched.add([a])
+    _step(sched)
+    sched.abort([a, b])  # b was submitted but not yet added (an engine's inbox)
+    assert (a.finish_reason, b.finish_reason) == ("abort", "abort") and b.finished
+    assert not sched.has_work() and sched.pool.num_used == sched.radix.num_cached_pages
+
+
+def test_finish_with_a_stop_string_overrides_a_reason_from_the_same_step():
+    sched = _sched()
+    a = _req(0, range(1, 6), max_tokens=1)
+    sched.add([a])
+    _step(sched)  # the one token ends it by length
+    assert a.finish_reason == "length"
+    used = sched.pool.num_used
+    sched.finish(a, "stop")  # the text stage then finds a stop string in that token
+    assert a.finish_reason == "stop" and sched.pool.num_used == used  # no second release
 
 
 def test_same_prompt_in_one_step_adopts_the_cached_pages():

@@ -2,7 +2,8 @@
 
 Checked on a byte-level BPE (GPT-2/Qwen style) and on two sentencepiece-style BPEs with ``byte_fallback``
 (Llama-2's ``Replace/ByteFallback/Fuse/Strip`` decoder and the newer ``Metaspace`` decoder), for random id
-sequences (hypothesis), for real text, and around special tokens and prompts.
+sequences (hypothesis), for real text, and around special tokens and prompts. Also `TokenBytes`, the per-token
+bytes of logprobs.
 """
 
 import functools
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer, train_tokenizer
 
 BYTE_CORPUS = ["Hello world, streaming one token at a time.", "中文文本，很好。", "naïve café"] * 10
@@ -168,3 +170,18 @@ def test_window_stays_short() -> None:
         del tok.decode
     assert text == tok.decode(ids) and len(ids) > 300
     assert max(lengths) <= 8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_concatenate_to_the_text(kind: str, text: str) -> None:
+    """Each token's own bytes (logprobs' `bytes`) join to the decoded text; a lone byte token is one byte."""
+    tok = tokenizer_for(kind)
+    pieces = TokenBytes(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    joined = b"".join(pieces.bytes(i) for i in ids).decode()
+    # sentencepiece-style decoders strip the first word's "▁"; the token's own bytes keep it as a space
+    assert joined == (" " if tok.byte_fallback_ids else "") + tok.decode(ids)
+    assert pieces.bytes(tok.token_to_id(tok.bos_token)) == tok.bos_token.encode()
+    if tok.byte_fallback_ids:
+        assert pieces.bytes(tok.token_to_id("<0xF0>")) == b"\xf0" and pieces.text(tok.token_to_id("<0xF0>")) == FFFD

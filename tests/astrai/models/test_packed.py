@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from astrai.configs.models import tiny
 from astrai.data.batch import document_ids
 from astrai.models.decoder import hidden_states, init_params
 from astrai.nn.embedding import embed
 from astrai.tree import replace
-from configs.models import tiny
 from helpers import assert_close
 
 

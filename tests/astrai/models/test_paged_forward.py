@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from astrai.inference.cache import init_kv_cache, make_attn_meta, pages_needed
+from astrai.inference.cache import init_kv_cache, make_attn_meta
 from astrai.io.model import load
 from astrai.models.decoder import forward
+from astrai.ops.attention import pages_needed
 from helpers import assert_close, save_hf, tiny_hf_model
 
 

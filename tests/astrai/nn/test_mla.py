@@ -7,19 +7,12 @@ import torch
 from torch import Tensor
 
 from astrai.inference.cache import make_attn_meta
-from astrai.nn.mla import (
-    MLAConfig,
-    init_mla,
-    init_mla_cache,
-    mla,
-    mla_decode_ref,
-    mla_dense,
-    mla_extend_ref,
-    mla_softmax_scale,
-)
+from astrai.nn.mla import MLAConfig, init_mla, init_mla_cache, mla, mla_dense, mla_softmax_scale
 from astrai.nn.rope import RopeConfig, rope_cos_sin
-from astrai.ops.mla import mla_paged_attention
+from astrai.ops.attention import pages_needed
+from astrai.ops.mla import mla_extend_ref, mla_paged_attention
 from astrai.tree import from_named_tensors, named_tensors
+from astrai.triton_kernels.mla_decode import mla_decode_ref
 from helpers import assert_close
 
 E, H, RQ, R, DN, DR, DV, MAX_POS = 32, 4, 24, 32, 16, 8, 12, 128
@@ -154,7 +147,7 @@ def test_paged_prefill_then_decode_matches_dense(backend, q_lora_rank, page_size
     for x in xs:
         cos, sin = rope_cos_sin(torch.arange(len(x)), rope=rope, head_dim=DR, max_position_embeddings=MAX_POS)
         expected.append(mla_dense(params, x[None], cos, sin, cfg=cfg, scale=mla_softmax_scale(cfg, rope))[0])
-    need = [-(-n // page_size) for n in lengths]
+    need = [pages_needed(n, page_size) for n in lengths]
     num_pages = sum(need) + 2
     (cache,) = init_mla_cache(cfg, 1, num_pages * page_size, dtype=torch.float32, device="cpu")
     perm = torch.randperm(num_pages - 1) + 1  # page 0 is the null page; pages are non-contiguous per request
@@ -219,11 +212,11 @@ def test_store_skips_padding_rows() -> None:
 
 
 def _pool(lens: list[int], new: list[int], page_size: int, width: int):
-    num_pages = sum(-(-n // page_size) for n in lens) + 3
+    num_pages = sum(pages_needed(n, page_size) for n in lens) + 3
     perm = (torch.randperm(num_pages - 1) + 1).tolist()
     pages, at = [], 0
     for n in lens:
-        k = max(1, -(-n // page_size))
+        k = max(1, pages_needed(n, page_size))
         pages.append(perm[at : at + k])
         at += k
     meta = make_attn_meta(pages, [n - m for n, m in zip(lens, new, strict=True)], new, page_size=page_size,
@@ -232,35 +225,51 @@ def _pool(lens: list[int], new: list[int], page_size: int, width: int):
     return meta, cache
 
 
+def _latent_oracle(q: Tensor, cache: Tensor, meta, rows, page_size: int, scale: float) -> Tensor:
+    """Independent formulation: token by token, gather its visible latents and softmax by hand.
+
+    rows: (request, absolute position) of each new token, in order.
+    """
+    out = torch.zeros(*q.shape[:2], R)
+    for t, (b, p) in enumerate(rows):
+        slots = [int(meta.block_table[b, j // page_size]) * page_size + j % page_size for j in range(p + 1)]
+        ent = cache[slots]  # [p+1, R + Dr]
+        out[t] = torch.softmax(q[t] @ ent.T * scale, dim=-1) @ ent[:, :R]  # [H, R]
+    return out
+
+
+def _rows(lens: list[int], new: list[int]) -> list[tuple[int, int]]:
+    return [(b, p) for b, (n, m) in enumerate(zip(lens, new, strict=True)) for p in range(n - m, n)]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_torch_paged_paths_match_refs(page_size: int) -> None:
-    meta, cache = _pool([9, 4, 13], [3, 4, 1], page_size, R + DR)  # ragged extend: prefix + new, fresh, one token
+def test_torch_paged_paths_match_oracle(page_size: int) -> None:
+    lens, new = [9, 4, 13], [3, 4, 1]  # ragged extend: prefix + new, fresh, one token
+    meta, cache = _pool(lens, new, page_size, R + DR)
     q = torch.randn(8, H, R + DR)
     kw = dict(kv_lora_rank=R, scale=0.2)
-    ref = mla_extend_ref(q, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, page_size=page_size, **kw)
-    assert_close(mla_paged_attention(q, cache, meta, **kw), ref, atol=1e-5)
-    # decode: the extend and decode references agree, and the torch path matches them
-    meta, cache = _pool([9, 1, 13], [1, 1, 1], page_size, R + DR)
+    expected = _latent_oracle(q, cache, meta, _rows(lens, new), page_size, 0.2)
+    assert_close(mla_paged_attention(q, cache, meta, **kw), expected, atol=1e-5)
+    # decode: both references and the dispatched torch path match the oracle
+    lens, new = [9, 1, 13], [1, 1, 1]
+    meta, cache = _pool(lens, new, page_size, R + DR)
     q = torch.randn(3, H, R + DR)
+    expected = _latent_oracle(q, cache, meta, _rows(lens, new), page_size, 0.2)
     ref = mla_decode_ref(q, cache, meta.block_table, meta.seq_lens, page_size=page_size, **kw)
     ext = mla_extend_ref(q, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, page_size=page_size, **kw)
-    assert_close(ext, ref, atol=1e-5)
-    assert_close(mla_paged_attention(q, cache, meta, **kw), ref, atol=1e-5)
+    assert_close(ref, expected, atol=1e-5)
+    assert_close(ext, expected, atol=1e-5)
+    assert_close(mla_paged_attention(q, cache, meta, **kw), expected, atol=1e-5)
 
 
 def test_extend_ref_against_explicit_softmax() -> None:
-    # an independent oracle: token by token, gather its visible latents and softmax by hand
     page_size = 2
     meta, cache = _pool([5, 3], [2, 3], page_size, R + DR)
     q = torch.randn(5, H, R + DR)
     out = mla_extend_ref(q, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, kv_lora_rank=R,
                          page_size=page_size, scale=0.5)  # fmt: skip
     rows = [(0, 3), (0, 4), (1, 0), (1, 1), (1, 2)]  # (request, absolute position) of each new token
-    for t, (b, p) in enumerate(rows):
-        slots = [int(meta.block_table[b, j // page_size]) * page_size + j % page_size for j in range(p + 1)]
-        ent = cache[slots]
-        w = torch.softmax(q[t] @ ent.T * 0.5, dim=-1)  # [H, p+1]
-        assert_close(out[t], w @ ent[:, :R], atol=1e-5)
+    assert_close(out, _latent_oracle(q, cache, meta, rows, page_size, 0.5), atol=1e-5)
 
 
 def test_paged_decode_compiles_fullgraph() -> None:

@@ -17,6 +17,7 @@ import uvicorn
 
 import astrai
 from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.plan import SampledToken
 from astrai.serve.app import build_app
 from helpers import tiny_model_dir
 
@@ -39,7 +40,7 @@ class ScriptedRunner:
                 n = len(item.seq.outputs)
                 token = self.ids[n] if n < len(self.ids) else self.eos_id
                 top = [(token, 0.0)] * item.seq.params.top_logprobs if item.seq.params.top_logprobs else None
-                out[i] = (token, 0.0 if item.seq.params.logprobs or top else None, top)
+                out[i] = SampledToken(token, 0.0 if item.seq.params.logprobs or top else None, top)
         return out
 
 

@@ -9,6 +9,7 @@ import sys
 import attrs
 import pytest
 
+from astrai.configs.models import tiny
 from astrai.io.model import load
 from astrai.train import loop
 from astrai.train.config import config_to_dict
@@ -30,7 +31,7 @@ def _torchrun(cfg, path, *extra):
 def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path, fsdp):
     schedule = ScheduleConfig(kind="cosine", warmup_steps=1, total_steps=4)  # fixed, so a 2-step run can resume
     base = attrs.evolve(train_cfg, steps=4, save_every=2, val_fraction=0.0, eval_every=0, schedule=schedule)
-    single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4))
+    single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4), tiny())
     cfg = attrs.evolve(base, out_dir=tmp_path / "ddp", batch_size=2, fsdp=fsdp)
     if fsdp:  # stop after 2 steps (sharded checkpoint gathered to rank 0), then resume from it
         _torchrun(attrs.evolve(cfg, steps=2), tmp_path / "ddp.json")

@@ -6,6 +6,7 @@ import attrs
 import pytest
 import torch
 
+from astrai.configs.models import tiny
 from astrai.io.model import load
 from astrai.models.decoder import forward
 from astrai.nn.lora import LoRAConfig
@@ -19,7 +20,7 @@ from helpers import assert_close
 def test_run_writes_metrics_plot_checkpoints_and_a_transformers_loadable_model(train_cfg):
     import transformers
 
-    result = loop.train(train_cfg)
+    result = loop.train(train_cfg, tiny())
     run = train_cfg.out_dir
     assert result.steps == 6 and not result.stopped_early and result.model_dir == (run / "model").resolve()
     train_rows = read_metrics(run / "metrics.jsonl", kind="train")
@@ -49,13 +50,13 @@ def _stop_at(monkeypatch, stop_step):
 
 def test_sigterm_then_resume_replays_the_uninterrupted_trajectory(train_cfg, tmp_path, monkeypatch):
     cfg = attrs.evolve(train_cfg, neftune_alpha=5.0)  # random noise each step: the RNG state must resume too
-    full = loop.train(attrs.evolve(cfg, out_dir=tmp_path / "full"))
+    full = loop.train(attrs.evolve(cfg, out_dir=tmp_path / "full"), tiny())
     _stop_at(monkeypatch, 2)
-    stopped = loop.train(cfg)
+    stopped = loop.train(cfg, tiny())
     assert stopped.stopped_early and stopped.steps == 2 and stopped.model_dir is None
     assert checkpoint_dirs(cfg.out_dir)[-1].name == "step_00000002"
     monkeypatch.undo()
-    resumed = loop.train(attrs.evolve(cfg, resume=True))
+    resumed = loop.train(attrs.evolve(cfg, resume=True), tiny())
     assert resumed.steps == 6
     losses = [r["loss"] for r in read_metrics(cfg.out_dir / "metrics.jsonl", kind="train")]
     expected = [r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl", kind="train")]
@@ -66,18 +67,23 @@ def test_sigterm_then_resume_replays_the_uninterrupted_trajectory(train_cfg, tmp
 
 
 def test_existing_checkpoints_are_never_overwritten_without_resume(train_cfg):
-    loop.train(attrs.evolve(train_cfg, steps=3))
+    loop.train(attrs.evolve(train_cfg, steps=3), tiny())
     with pytest.raises(ValueError, match="already has checkpoints .* --resume"):
+        loop.train(train_cfg, tiny())
+
+
+def test_a_model_name_needs_its_config_from_the_caller(train_cfg):
+    # the library never reads configs/models.py: a name is only a label for the ModelConfig passed in
+    with pytest.raises(ValueError, match=r"'tiny' is not a model folder \(for a named config, pass its ModelConfig"):
         loop.train(train_cfg)
 
 
 def test_lora_run_trains_adapters_and_saves_a_merged_model(train_cfg):
     cfg = attrs.evolve(train_cfg, lora=LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj")), steps=3)
-    result = loop.train(cfg)
+    result = loop.train(cfg, tiny())
     ckpt = checkpoint_dirs(cfg.out_dir)[-1] / "model"
     assert (ckpt / "adapter_model.safetensors").is_file() and (ckpt / "adapter_config.json").is_file()
     from astrai.models.decoder import init_params
-    from configs.models import tiny
 
     base = named_tensors(init_params(attrs.evolve(tiny(vocab_size=100), dtype="float32"), seed=cfg.seed))
     merged = named_tensors(load(result.model_dir).params)

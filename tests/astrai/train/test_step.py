@@ -4,14 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from astrai.configs.models import tiny
 from astrai.data.batch import LMBatch
 from astrai.io.hf import astrai_to_hf_name
 from astrai.io.model import load
 from astrai.models.decoder import init_params
 from astrai.train.optim import AdamWConfig
-from astrai.train.step import StepOptions, TrainStep, init_train_state, is_packed, lm_loss
+from astrai.train.step import StepOptions, TrainStep, eval_sums, init_train_state, is_packed, lm_loss
 from astrai.tree import named_tensors
-from configs.models import tiny
 from helpers import assert_close, save_hf, tiny_hf_model
 
 OPTIM = AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -94,6 +94,22 @@ def test_packed_row_loss_equals_separate_documents():
     # the same row read as one long document gives a different loss (so the comparison can fail)
     leaky = LMBatch(packed.tokens, packed.targets, packed.loss_mask, torch.arange(sum(lengths))[None])
     assert abs(lm_loss(params, leaky, one, cfg=cfg, opts=opts)[1] - separate) > 1e-3
+
+
+def test_eval_sums_add_the_task_losses_and_trained_tokens_of_every_batch():
+    cfg = tiny(vocab_size=61)
+    params = init_params(cfg, seed=3)
+    opts = StepOptions(compile=False)
+    batches = [_batch(2, 10, 61, seed=s) for s in (1, 2)]
+    total, count = eval_sums(params, None, batches, cfg=cfg, opts=opts)
+    one = torch.ones(())
+    assert_close(total, sum(lm_loss(params, b, one, cfg=cfg, opts=opts)[1] for b in batches), atol=1e-4)
+    assert count.item() == sum(b.loss_mask.sum().item() for b in batches)
+    # the forward's tree comes from (frozen, trainable) through to_params, as in the train step
+    other = init_params(cfg, seed=4)
+    from_frozen, _ = eval_sums(params, other, batches, cfg=cfg, opts=opts, to_params=lambda frozen, _: frozen)
+    assert_close(from_frozen, eval_sums(other, None, batches, cfg=cfg, opts=opts)[0], atol=1e-6)
+    assert abs(from_frozen - total) > 1e-3
 
 
 # a large eps makes the update proportional to the gradient for small gradients: with eps 1e-8, AdamW's early

@@ -1,6 +1,6 @@
-"""Per-request host state of the engine, and the records it hands back (completions and stream deltas).
+"""`Seq`: the engine's host state of one generated sequence (a request with n > 1 is n of them).
 
-A request's progress is one number, `num_computed`: how many of its tokens (prompt, then generated) already
+A sequence's progress is one number, `num_computed`: how many of its tokens (prompt, then generated) already
 have K/V in the pool (vLLM V1's model). Each step feeds `all_tokens[num_computed : num_computed + n]`; when that
 reaches the end, the step's logits sample the next token. Chunked prefill, prefix-cache hits (num_computed
 starts at the hit length) and recompute after preemption (num_computed back to 0 with the generated tokens
@@ -19,7 +19,7 @@ from astrai.inference.params import SamplingParams
 
 
 class Status(enum.Enum):
-    """Lifecycle of a request inside the scheduler."""
+    """Lifecycle of a sequence inside the scheduler (only the scheduler changes it)."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -27,7 +27,7 @@ class Status(enum.Enum):
 
 
 @attrs.define(eq=False)
-class Request:
+class Seq:
     """One sequence being generated (a request with n > 1 is n of these, one per completion index).
 
     Attributes:
@@ -44,8 +44,8 @@ class Request:
         pages: KV pool pages in logical order.
         num_computed: tokens whose K/V are in the pool.
         num_cached: prompt tokens served by the prefix cache at the first admission.
-        status: waiting / running / finished.
-        finish_reason: "stop", "length" or "abort" once finished.
+        status: waiting / running / finished (written by the scheduler only).
+        finish_reason: "stop", "length" or "abort" once finished (written by the scheduler only).
         leader: for n > 1, the sequence whose prefill the others wait for (so they hit its cached prompt).
     """
 
@@ -64,7 +64,7 @@ class Request:
     num_cached: int = -1
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    leader: Request | None = None
+    leader: Seq | None = None
     num_preemptions: int = 0
     _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
     _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
@@ -122,50 +122,11 @@ class Request:
         return None
 
 
-@attrs.frozen(kw_only=True)
-class CompletionOutput:
-    """One finished completion of a request."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
-
-
-@attrs.frozen(kw_only=True)
-class Completion:
-    """A finished request: its n completions and token usage."""
-
-    request_id: str
-    prompt_tokens: int
-    cached_tokens: int
-    outputs: tuple[CompletionOutput, ...]
-
-    @property
-    def completion_tokens(self) -> int:
-        """Generated tokens over all completions."""
-        return sum(len(o.token_ids) for o in self.outputs)
-
-
-@attrs.frozen(kw_only=True)
-class Delta:
-    """An increment of a streamed completion: new text and tokens; `finish_reason` set on the last one."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
-    finish_reason: str | None = None
-
-
 def split_n(prompt: Sequence[int], params: SamplingParams, request_id: str, seed: int, arrival: int,
-            stop_ids: frozenset[int]) -> list[Request]:  # fmt: skip
+            stop_ids: frozenset[int]) -> list[Seq]:  # fmt: skip
     """The n sequences of one request; sequences 1..n-1 follow sequence 0's prefill to share its prompt KV."""
     seqs = [
-        Request(
+        Seq(
             id=request_id,
             index=i,
             prompt=list(prompt),

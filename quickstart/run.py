@@ -18,6 +18,7 @@ from rich.table import Table
 from astrai.data.config import config_from_dict
 from astrai.data.preprocess import preprocess
 from astrai.io.model import Model, load
+from astrai.models.config import ModelConfig
 from astrai.quickstart.evaluate import EvalResult, evaluate
 from astrai.quickstart.task import Problem, split_problems, write_jsonl
 from astrai.quickstart.vocab import save_tokenizer
@@ -36,7 +37,7 @@ class QuickstartSettings:
     retrain: bool = False
     """Train again even if out_dir/model exists."""
     model: str = "chat-small"
-    """Named model config (configs/models.py)."""
+    """Named model config (configs/models.py, resolved by the CLI) or a model folder to fine-tune."""
     steps: int = 800
     """Optimiser steps."""
     batch_size: int = 16
@@ -72,7 +73,7 @@ def _prepare_data(s: QuickstartSettings, train_problems: list[Problem], console:
     return tokenizer_dir, data / "shards"
 
 
-def _train(s: QuickstartSettings, tokenizer_dir: Path, shards: Path) -> Path:
+def _train(s: QuickstartSettings, model_cfg: ModelConfig | None, tokenizer_dir: Path, shards: Path) -> Path:
     run_dir = s.out_dir / "train"
     shutil.rmtree(run_dir, ignore_errors=True)  # a quickstart retrain starts over
     cfg = TrainConfig(
@@ -81,7 +82,7 @@ def _train(s: QuickstartSettings, tokenizer_dir: Path, shards: Path) -> Path:
         schedule=ScheduleConfig(kind="cosine", warmup_steps=min(s.warmup_steps, s.steps // 5), total_steps=s.steps),
         compile=s.compile, seed=s.seed, save_every=0, keep_last=1,
     )  # fmt: skip
-    result = train(cfg)
+    result = train(cfg, model_cfg)
     if result.model_dir is None:
         raise RuntimeError(f"training stopped at step {result.steps}; rerun `astrai quickstart --retrain`")
     return result.model_dir
@@ -97,8 +98,17 @@ def _samples_table(result: EvalResult, n: int) -> Table:
     return table
 
 
-def run_quickstart(s: QuickstartSettings, console: Console | None = None) -> EvalResult:
-    """Train (unless a saved model exists and `retrain` is off), evaluate on held-out problems, report."""
+def run_quickstart(
+    s: QuickstartSettings, console: Console | None = None, *, model_cfg: ModelConfig | None = None
+) -> EvalResult:
+    """Train (unless a saved model exists and `retrain` is off), evaluate on held-out problems, report.
+
+    Args:
+        s: the settings; `s.model` names the model in the run's config.
+        console: where to report (default: a new rich console).
+        model_cfg: the shape to train from scratch (the CLI resolves `s.model` to it, e.g.
+            `configs.models.chat_small()`); None: `s.model` is a model folder to fine-tune.
+    """
     console = console or Console()
     train_problems, test_problems = split_problems("add2", seed=s.seed)
     model_dir = s.out_dir / "model"
@@ -110,7 +120,7 @@ def run_quickstart(s: QuickstartSettings, console: Console | None = None) -> Eva
             f"{len(test_problems):,} held out), on {s.model} for {s.steps} steps"
         )
         tokenizer_dir, shards = _prepare_data(s, train_problems, console)
-        trained = _train(s, tokenizer_dir, shards)
+        trained = _train(s, model_cfg, tokenizer_dir, shards)
         if model_dir.exists():
             shutil.rmtree(model_dir)
         shutil.copytree(trained, model_dir)

@@ -8,6 +8,7 @@ import io
 
 from rich.console import Console
 
+from astrai.configs.models import chat_small
 from astrai.io.model import load
 from astrai.quickstart.run import QuickstartSettings, run_quickstart
 
@@ -15,7 +16,8 @@ from astrai.quickstart.run import QuickstartSettings, run_quickstart
 def test_reduced_quickstart_learns_two_digit_addition(tmp_path):
     settings = QuickstartSettings(out_dir=tmp_path / "qs", eval_size=200)
     out = io.StringIO()
-    result = run_quickstart(settings, Console(file=out, width=200))
+    # the model config `astrai quickstart` resolves from the default `--model chat-small`
+    result = run_quickstart(settings, Console(file=out, width=200), model_cfg=chat_small())
     text = out.getvalue()
     assert result.n == 200 and result.accuracy >= 0.9, text[-2000:]
     assert f"accuracy: {100 * result.accuracy:.1f}%" in text

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from astrai.api import forward
+from astrai.configs.models import tiny
 from astrai.io.model import Model, load, save
 from astrai.models.decoder import init_params
 from astrai.quickstart.evaluate import evaluate, extract_answer, render_prompt
 from astrai.quickstart.task import KINDS, make_problems
 from astrai.quickstart.vocab import build_tokenizer
-from configs.models import tiny
 
 PROBLEMS = [p for kind in KINDS for p in make_problems(kind, 4, seed=2)]  # 20 problems, 4 of each kind
 

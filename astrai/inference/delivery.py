@@ -1,0 +1,130 @@
+"""Delivery: turning a request's sampled tokens into stream `Delta`s and its final `Completion` (host Python).
+
+Per sequence, `SeqText` runs incremental detokenization and the stop strings: stop-token ids end a sequence
+without adding text (the token stays in `token_ids`); stop strings end it with the text cut before the stop
+(or after it with `include_stop_str_in_output`); text that may be the start of a stop string is held back while
+streaming. Per request, `RequestDelivery` sends each step's deltas to the `RequestHandle` and, once every
+sequence finished, the `Completion`.
+
+Delivery never decides how a sequence ends: a completed stop string is reported to the scheduler (the `finish`
+callable), which is the only writer of `finish_reason`; deltas carry the reason the scheduler recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from astrai.inference.handle import RequestHandle
+from astrai.inference.outputs import Completion, CompletionOutput, Delta
+from astrai.inference.seq import Seq
+from astrai.inference.stop import StopStringMatcher
+from astrai.io.tokenizer import Tokenizer
+
+PROMPT_CONTEXT = 8  # prompt tokens given to the detokenizer so the first output token decodes in context
+
+
+class SeqText:
+    """Text state of one sequence: what has been emitted, and whether a stop string fired.
+
+    Attributes:
+        text: the text emitted so far.
+        stopped: a stop string completed (the sequence must end with "stop").
+        done: the final delta was delivered.
+    """
+
+    def __init__(self, seq: Seq, tokenizer: Tokenizer | None) -> None:
+        self.seq, self.text, self.stopped, self.done = seq, "", False, False
+        self._emitted_tokens = 0
+        self._detok = None
+        if tokenizer is not None:
+            context = seq.prompt[-PROMPT_CONTEXT:]
+            self._detok = tokenizer.detokenizer(skip_special_tokens=seq.params.skip_special_tokens, prompt_ids=context)
+        self._stops = StopStringMatcher(seq.params.stop, include_stop=seq.params.include_stop_str_in_output)
+
+    def advance(self) -> tuple[str, list[int], int]:
+        """Consume the sequence's tokens not yet emitted.
+
+        Returns:
+            (new text, new token ids, index of the first new token in `seq.outputs`). Sets `stopped` when a stop
+            string completed. A finished sequence's held-back text is flushed.
+        """
+        seq = self.seq
+        first = self._emitted_tokens
+        new = seq.outputs[first:]
+        self._emitted_tokens = len(seq.outputs)
+        text = ""
+        if self._detok is not None and not self.stopped:
+            for token in new:
+                if seq.finish_reason == "stop" and token == seq.outputs[-1] and token in seq.stop_ids:
+                    break  # the stop token itself adds no text
+                piece, self.stopped = self._stops.feed(self._detok.add(token))
+                text += piece
+                if self.stopped:
+                    break
+            if seq.finished and not self.stopped:
+                piece, self.stopped = self._stops.feed(self._detok.flush())
+                text += piece + ("" if self.stopped else self._stops.flush())
+        self.text += text
+        return text, new, first
+
+
+class RequestDelivery:
+    """A request in flight on the engine side: its handle, its sequences and their text states."""
+
+    def __init__(self, handle: RequestHandle, seqs: list[Seq], tokenizer: Tokenizer | None, submitted: float) -> None:
+        self.handle, self.seqs, self.submitted = handle, seqs, submitted
+        self.texts = [SeqText(seq, tokenizer) for seq in seqs]
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sequence has ended (the completion is due)."""
+        return all(seq.finished for seq in self.seqs)
+
+    def deliver(self, finish: Callable[[Seq, str], None]) -> None:
+        """Send the deltas of the tokens sampled since the last call; `finish(seq, "stop")` ends a sequence whose
+        stop string completed (the scheduler's `finish`)."""
+        for seq, out in zip(self.seqs, self.texts, strict=True):
+            if out.done:
+                continue
+            text, new, first = out.advance()
+            if out.stopped and seq.finish_reason != "stop":
+                finish(seq, "stop")
+            out.done = seq.finished
+            if new or text or out.done:
+                self.handle.put(self._delta(seq, text, new, first))
+
+    @staticmethod
+    def _delta(seq: Seq, text: str, new: list[int], first: int) -> Delta:
+        wants_logprobs = bool(seq.params.logprobs or seq.params.top_logprobs)
+        return Delta(
+            index=seq.index,
+            text=text,
+            token_ids=tuple(new),
+            logprobs=tuple(seq.logprobs[first:]) if wants_logprobs else None,
+            top_logprobs=tuple(tuple(t) for t in seq.top_logprobs[first:]) if seq.params.top_logprobs else None,
+            finish_reason=seq.finish_reason if seq.finished else None,
+        )
+
+    def end_unfinished_streams(self) -> None:
+        """After an abort: the final (empty) delta of every sequence whose stream is still open."""
+        for seq, out in zip(self.seqs, self.texts, strict=True):
+            if not out.done:
+                out.done = True
+                self.handle.put(Delta(index=seq.index, text="", token_ids=(), finish_reason=seq.finish_reason))
+
+    def complete(self, request_id: str) -> None:
+        """Send the `Completion` (every sequence has ended)."""
+        outputs = tuple(
+            CompletionOutput(
+                index=seq.index,
+                text=out.text,
+                token_ids=tuple(seq.outputs),
+                finish_reason=seq.finish_reason,
+                logprobs=tuple(seq.logprobs) if (seq.params.logprobs or seq.params.top_logprobs) else None,
+                top_logprobs=tuple(tuple(t) for t in seq.top_logprobs) if seq.params.top_logprobs else None,
+            )  # fmt: skip
+            for seq, out in zip(self.seqs, self.texts, strict=True)
+        )
+        lead = self.seqs[0]
+        self.handle.put(Completion(request_id=request_id, prompt_tokens=len(lead.prompt),
+                                   cached_tokens=max(lead.num_cached, 0), outputs=outputs))  # fmt: skip

@@ -1,0 +1,36 @@
+"""The contract between the host scheduler and the device runner: what one step runs and what it sampled.
+
+`Scheduler.schedule` returns a list of `ScheduledSeq`; `ModelRunner.execute` runs it and returns one
+`SampledToken` per entry that samples; `Scheduler.update` consumes them. Neither side imports the other.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from astrai.inference.seq import Seq
+
+
+@attrs.frozen
+class ScheduledSeq:
+    """One sequence's share of a step: feed `all_tokens[start : start + num_new]`; sample if `sample`."""
+
+    seq: Seq
+    start: int
+    num_new: int
+    sample: bool
+
+
+@attrs.frozen
+class SampledToken:
+    """The token a step drew for one sequence.
+
+    Attributes:
+        token: the chosen id.
+        logprob: its raw-logit logprob, when the sequence asked for logprobs; else None.
+        top_logprobs: the most likely (id, logprob) pairs, most likely first, when asked; else None.
+    """
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
