@@ -193,14 +193,13 @@ def build_model(name: str, vocab: int) -> Model:
 
 
 def serve_in_thread(engine: Engine) -> tuple[GracefulServer, threading.Thread, str]:
-    """`astrai serve`'s server (GracefulServer around build_app) on an ephemeral port, run on a thread."""
-    import uvicorn
-
+    """`astrai serve`'s server (GracefulServer around build_app, its connection limits) on an ephemeral port, run
+    on a thread."""
     from astrai.serve.app import build_app
-    from astrai.serve.server import GracefulServer
+    from astrai.serve.server import GracefulServer, server_config
 
-    config = uvicorn.Config(build_app(engine, model_name="bench"), host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+    config = server_config(build_app(engine, model_name="bench"), host="127.0.0.1", port=0, log_level="warning",
+                           timeout_graceful_shutdown=5)  # fmt: skip
     server = GracefulServer(config, engine)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

@@ -183,25 +183,20 @@ def _extend_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     bt_row_ptr = block_table_ptr + b.to(tl.int64) * stride_bt_b
-    if USE_WINDOW:
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head,
-            stride_kc_s, stride_kc_k, stride_vc_s, stride_vc_k,
-            row_pos, lo, tl.minimum(full_lo, kv_end), kv_end, window, qk_scale,
-            True, USE_WINDOW, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head,
-        stride_kc_s, stride_kc_k, stride_vc_s, stride_vc_k,
-        row_pos, full_lo, full_hi, kv_end, window, qk_scale,
-        False, USE_WINDOW, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head,
-        stride_kc_s, stride_kc_k, stride_vc_s, stride_vc_k,
-        row_pos, full_hi, kv_end, kv_end, window, qk_scale,
-        True, USE_WINDOW, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
+    for phase in tl.static_range(3):  # the three key ranges in order, unrolled at compile time
+        if phase == 0:
+            start, end = lo, tl.minimum(full_lo, kv_end)
+        elif phase == 1:
+            start, end = full_lo, full_hi
+        else:
+            start, end = full_hi, kv_end
+        if phase != 0 or USE_WINDOW:  # the window-edge range exists only with a window
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head,
+                stride_kc_s, stride_kc_k, stride_vc_s, stride_vc_k,
+                row_pos, start, end, kv_end, window, qk_scale,
+                phase != 1, USE_WINDOW, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -378,15 +373,8 @@ def _(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, page_size, sc
     return q.new_empty(q.shape)
 
 
-def _check_args(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_table: Tensor,
-    page_size: int,
-) -> None:
+def _check_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+                block_table: Tensor, page_size: int) -> None:  # fmt: skip
     assert q.dim() == 3 and k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "q [T,H,D], caches [S,K,D]"
     assert q.shape[2] == k_cache.shape[2], f"head dims differ: q {q.shape}, cache {k_cache.shape}"
     assert q.shape[1] % k_cache.shape[1] == 0, f"H={q.shape[1]} not a multiple of K={k_cache.shape[1]}"

@@ -66,15 +66,28 @@ def resolve_model(model: str) -> ModelConfig | None:
 
 
 def main(cfg: TrainConfig) -> None:
-    """Train with `cfg` and print where the results went."""
-    from astrai.train.loop import train
+    """Train with `cfg` and print where the results went.
 
-    result = run_guarded(lambda: train(cfg, resolve_model(cfg.model)))
+    Exits 2 with one `error:` line on bad input, an unusable checkpoint or a diverged (NaN/inf) step; exits 0
+    when `--resume` finds the run already finished (saying so).
+    """
+    from astrai.train.loop import NonFiniteError, train
+
+    try:
+        result = run_guarded(lambda: train(cfg, resolve_model(cfg.model)))
+    except NonFiniteError as err:
+        fail(str(err))
     if result.stopped_early:
         console.print(f"stopped at step {result.steps}; continue with: astrai train {result.run_dir} --resume")
         return
-    console.print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}"
-                  + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""))  # fmt: skip
+    if result.already_finished:
+        console.print(f"{result.run_dir} is already finished: its checkpoint is at step {result.steps} "
+                      f"(--steps {cfg.steps}); nothing to do (raise --steps to train further)")  # fmt: skip
+    else:
+        losses = {"final loss": result.final_loss, "eval loss": result.eval_loss}  # None when no step ran
+        console.print(
+            ", ".join([f"done: {result.steps} steps", *(f"{k} {v:.4f}" for k, v in losses.items() if v is not None)])
+        )
     if result.model_dir is not None:
         console.print(f"model: {result.model_dir}\nserve it: astrai serve --model {result.model_dir}")
 

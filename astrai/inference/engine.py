@@ -21,6 +21,7 @@ import torch
 
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
+from astrai.inference.errors import EngineInputError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
@@ -58,7 +59,8 @@ class EngineConfig:
     max_step_tokens: int = 2048
     """Token budget of one step (decodes + prefill chunks); smaller means finer chunked prefill."""
     max_waiting: int = 1024
-    """Most queued requests; more raise EngineBusyError."""
+    """Most queued sequences (a request with n > 1 counts n); more raise EngineBusyError, and a request with
+    n > max_waiting is refused (EngineInputError naming n)."""
     max_model_len: int | None = None
     """Longest prompt + completion; default the model's max_position_embeddings."""
     prefix_cache: bool = True
@@ -81,7 +83,7 @@ class EngineStats:
     """A snapshot of the engine."""
 
     running: int
-    waiting: int
+    waiting: int  # sequences (a request with n > 1 counts n), inbox included
     kv_pages_total: int
     kv_pages_used: int
     kv_pages_cached: int
@@ -147,8 +149,9 @@ class Engine:
         """Queue a request (text is encoded with the tokenizer, special tokens added).
 
         Raises:
-            ValueError: bad prompt or params, or prompt + max_tokens beyond the context (both numbers given).
-            EngineBusyError: the waiting queue is full.
+            EngineInputError: (a ValueError; `param` names the field) bad prompt or params, prompt + max_tokens
+                beyond the context (both numbers given), or n larger than the whole waiting queue.
+            EngineBusyError: the waiting queue has no room for the request's n sequences.
             EngineDeadError: the engine stopped after an error.
         """
         params = params or SamplingParams()
@@ -167,17 +170,23 @@ class Engine:
                 raise EngineDeadError(f"the engine stopped after an error: {self._error}")
             if request_id in self._tracked:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting:
-                raise EngineBusyError(f"{self.config.max_waiting} requests are already waiting")
+            waiting = self._waiting_seqs()
+            if waiting + params.n > self.config.max_waiting:
+                raise EngineBusyError(f"{waiting} sequences are already waiting (at most {self.config.max_waiting}), "
+                                      f"no room for n={params.n}")  # fmt: skip
             self._tracked[request_id] = tracked
             self._inbox.append(tracked)
             self._cv.notify()
         return tracked.handle
 
+    def _waiting_seqs(self) -> int:
+        """Sequences queued: the scheduler's waiting ones and the inbox's requests' (exact under _cv)."""
+        return len(self.scheduler.waiting) + sum(len(tracked.seqs) for tracked in self._inbox)
+
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.model.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
+                raise EngineInputError("this model has no tokenizer: pass token ids", param="prompt")
             return self.model.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
@@ -185,20 +194,24 @@ class Engine:
         vocab = self.model.config.vocab_size
         params.check(vocab)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise EngineInputError("the prompt is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+            raise EngineInputError(f"prompt token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
+        if params.n > self.config.max_waiting:
+            raise EngineInputError(f"n={params.n} is more sequences than the engine's whole waiting queue "
+                                   f"(max_waiting={self.config.max_waiting})", param="n")  # fmt: skip
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise EngineInputError(
                 f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} tokens, more than "
-                f"the model's context of {self.max_model_len} tokens"
+                f"the model's context of {self.max_model_len} tokens",
+                param="max_tokens",
             )
         pages = pages_needed(total, self.config.page_size)
         if pages > self.pool.num_pages - 1:
-            raise ValueError(f"the request needs {pages} KV pages but the pool has {self.pool.num_pages - 1}; "
-                             "raise kv_budget_tokens")  # fmt: skip
+            raise EngineInputError(f"the request needs {pages} KV pages but the pool has {self.pool.num_pages - 1}; "
+                                   "raise kv_budget_tokens", param="max_tokens")  # fmt: skip
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if it already finished)."""
@@ -247,7 +260,7 @@ class Engine:
         cached = self.radix.num_cached_pages if self.radix is not None else 0
         s = self.scheduler.stats
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
+            running=len(self.scheduler.running), waiting=self._waiting_seqs(),
             kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.num_used - cached,
             kv_pages_cached=cached, kv_pages_free=self.pool.num_free,
             prefix_hit_rate=self.radix.hit_rate if self.radix is not None else 0.0,

@@ -5,9 +5,16 @@ fields one to one. Device-side per-row tensors are built from these by `sampler.
 strings are matched by `stop.StopStringMatcher`.
 
 Deliberately fixed relative to the upstream AstrAI sampler (features §11b.11):
-- greedy is `temperature == 0` of *this* request, never inferred from the batch;
+- greedy is `temperature < SAMPLING_EPS` (0 included) of *this* request, never inferred from the batch;
 - `top_k` 0 or -1 disables top-k (upstream's API could not disable it);
 - penalties run before temperature and the top-k/top-p/min-p filters, never after them.
+
+Float32 limits (the sampler computes in float32; a value that is fine as a Python float can underflow there to 0
+or a subnormal and turn the logits into NaN): a temperature below `SAMPLING_EPS` (1e-5, vLLM's `_SAMPLING_EPS`)
+is greedy, as 0 is, since dividing logits by it would overflow; `repetition_penalty` must lie in
+[`MIN_REPETITION_PENALTY`, `MAX_REPETITION_PENALTY`] (1e-6 .. 1e6); `top_p`, `min_p`, the frequency/presence
+penalties and logit_bias values must be 0 or normal float32 numbers (magnitude >= 2**-126, about 1.2e-38). Every
+refused value raises `EngineInputError` (a ValueError) whose `param` names the field.
 
 Not here: `best_of`, beam search, guided decoding, `allowed_token_ids`, bad words.
 """
@@ -20,10 +27,17 @@ from typing import Any
 
 import attrs
 
+from astrai.inference.errors import EngineInputError
+
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy: logits / t would overflow float32
+MIN_REPETITION_PENALTY = 1e-6  # positive logits / r stay finite in float32 (|logit| < 3e32)
+MAX_REPETITION_PENALTY = 1e6
+_F32_TINY = 2.0**-126  # the smallest normal float32; nonzero values below it flush to 0 or a subnormal
+_F32_MAX = (2 - 2**-23) * 2.0**127  # the largest finite float32
 
 
 def _str_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -37,7 +51,7 @@ def _bias_tuple(value: Mapping[Any, float] | Iterable[tuple[int, float]]) -> tup
     try:
         return tuple((int(k), float(v)) for k, v in items)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}") from e
+        raise EngineInputError(f"logit_bias must map token ids to numbers, got {value!r}", param="logit_bias") from e
 
 
 @attrs.frozen(kw_only=True)
@@ -49,13 +63,13 @@ class SamplingParams:
     """
 
     max_tokens: int = 16  # tokens to generate at most (>= 1)
-    temperature: float = 1.0  # >= 0; 0 = greedy for this request
+    temperature: float = 1.0  # >= 0; 0 (or below SAMPLING_EPS) = greedy for this request
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     min_p: float = 0.0  # [0, 1]: keep tokens with p >= min_p * p_max (after temperature)
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= f * count over generated tokens
     presence_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= p * (count > 0) over generated tokens
-    repetition_penalty: float = 1.0  # > 0, HF over prompt + generated: positive logits / r, negative * r
+    repetition_penalty: float = 1.0  # [1e-6, 1e6], HF over prompt + generated: positive logits / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_tuple)  # (id, [-100, 100])
     seed: int | None = None  # reproducible sampling for this request (None: the engine picks one)
     n: int = 1  # completions sharing the prompt (1..16)
@@ -75,38 +89,41 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0: the request takes the argmax of its penalised logits."""
-        return self.temperature == 0
+        """Temperature below `SAMPLING_EPS` (0 included): the request takes the argmax of its penalised logits."""
+        return self.temperature < SAMPLING_EPS
 
     def check(self, vocab_size: int | None = None) -> None:
         """Validate every field; token ids are checked against `vocab_size` when given.
 
         Raises:
-            ValueError: naming the first offending field and its value.
+            EngineInputError: a ValueError naming the first offending field (message and `param`) and its value.
         """
         _int_in("max_tokens", self.max_tokens, 1, None)
-        _float_in("temperature", self.temperature, 0.0, None)
+        _float_in("temperature", self.temperature, 0.0, _F32_MAX)  # below SAMPLING_EPS: greedy, not an error
         if not (0.0 < _finite("top_p", self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise EngineInputError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        _normal_f32("top_p", self.top_p)
         if self.top_k != -1:
             _int_in("top_k", self.top_k, 0, None, hint=" (0 or -1 disables it)")
-        _float_in("min_p", self.min_p, 0.0, 1.0)
-        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        if not _finite("repetition_penalty", self.repetition_penalty) > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _normal_f32("min_p", _float_in("min_p", self.min_p, 0.0, 1.0))
+        _normal_f32("frequency_penalty", _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        _normal_f32("presence_penalty", _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        _float_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         self._check_logit_bias(vocab_size)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise EngineInputError(f"seed must be an int or None, got {self.seed!r}", param="seed")
         _int_in("n", self.n, 1, MAX_N)
         _int_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if vocab_size is not None and self.top_logprobs > vocab_size:
-            raise ValueError(f"top_logprobs must be <= vocab_size {vocab_size}, got {self.top_logprobs!r}")
+            raise EngineInputError(f"top_logprobs must be <= vocab_size {vocab_size}, got {self.top_logprobs!r}",
+                                   param="top_logprobs")  # fmt: skip
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise EngineInputError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                                   param="stop")  # fmt: skip
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty str, got {s!r} in stop={self.stop!r}")
+                raise EngineInputError(f"stop strings must be non-empty str, got {s!r} in stop={self.stop!r}",
+                                       param="stop")  # fmt: skip
         for i in self.stop_token_ids:
             _token_id("stop_token_ids", i, vocab_size)
         _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, hint=" (at most max_tokens)")
@@ -116,35 +133,45 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             _token_id("logit_bias", token, vocab_size)
             if token in seen:
-                raise ValueError(f"logit_bias lists token {token} twice")
+                raise EngineInputError(f"logit_bias lists token {token} twice", param="logit_bias")
             seen.add(token)
             if not (-MAX_LOGIT_BIAS <= _finite("logit_bias", bias) <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+                raise EngineInputError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
+                                       param="logit_bias")  # fmt: skip
+            _normal_f32("logit_bias", bias)
 
 
 def _finite(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise EngineInputError(f"{name} must be a finite number, got {value!r}", param=name)
     return float(value)
 
 
-def _float_in(name: str, value: Any, lo: float | None, hi: float | None) -> None:
+def _normal_f32(name: str, value: float) -> None:
+    """0 or a normal float32 magnitude: smaller values become 0 or subnormal on the device (see the docstring)."""
+    if value != 0 and abs(value) < _F32_TINY:
+        raise EngineInputError(f"{name} must be 0 or at least {_F32_TINY:.4g} in magnitude (a normal float32 "
+                               f"number), got {value!r}", param=name)  # fmt: skip
+
+
+def _float_in(name: str, value: Any, lo: float, hi: float) -> float:
     v = _finite(name, value)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    if not lo <= v <= hi:
+        bounds = f">= {lo} (and a finite float32, <= {_F32_MAX:.4g})" if hi == _F32_MAX else f"[{lo}, {hi}]"
+        raise EngineInputError(f"{name} must be {bounds}, got {value!r}", param=name)
+    return v
 
 
 def _int_in(name: str, value: Any, lo: int, hi: int | None, *, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise EngineInputError(f"{name} must be an int, got {value!r}", param=name)
     if value < lo or (hi is not None and value > hi):
         bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {bounds}{hint}, got {value!r}")
+        raise EngineInputError(f"{name} must be {bounds}{hint}, got {value!r}", param=name)
 
 
 def _token_id(name: str, token: Any, vocab_size: int | None) -> None:
     if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise ValueError(f"{name} token ids must be ints >= 0, got {token!r}")
+        raise EngineInputError(f"{name} token ids must be ints >= 0, got {token!r}", param=name)
     if vocab_size is not None and token >= vocab_size:
-        raise ValueError(f"{name} token id {token} is out of range for vocab_size {vocab_size}")
+        raise EngineInputError(f"{name} token id {token} is out of range for vocab_size {vocab_size}", param=name)

@@ -13,7 +13,8 @@ Processing order (`process_logits`), on float32 logits [B, V]:
 3. Repetition penalty (HF): logits of tokens seen in the prompt or the output are divided by r when positive,
    multiplied by r otherwise.
 4. Frequency / presence penalties (OpenAI), over generated tokens: `logit -= f * count + p * (count > 0)`.
-5. Greedy rows (temperature == 0) take the argmax of *these* logits; filters below don't apply to them.
+5. Greedy rows (temperature < `SAMPLING_EPS`, 0 included) take the argmax of *these* logits; filters below
+   don't apply to them.
 6. Temperature divides the logits.
 7. Top-k keeps logits >= the k-th largest (ties at the boundary are kept, as transformers does).
 8. Top-p keeps the most likely tokens until their mass reaches p (the smallest such set; >= 1 token).
@@ -27,6 +28,13 @@ The draw uses the exponential trick: `argmax(p / E)` with E ~ Exp(1) i.i.d. pick
 of (seed, step, token index), so a request's tokens depend only on its own seed and step: not on the other
 rows, their order, the batch size or the device.
 
+NaN policy: a row whose processed logits give no valid choice (NaN anywhere, from the model or from a value
+that overflowed; a penalised logit that overflowed to +inf; or every logit -inf) takes the argmax of its *raw*
+logits instead, NaN read as -inf (token 0 only if every raw logit is NaN or -inf). `SamplingParams.check`
+refuses the float32 underflows that used to cause this (and treats temperatures below `SAMPLING_EPS` as greedy);
+the fallback keeps a bad row from silently drawing token 0 forever. It costs a few [B, V] reductions and a
+`where`: no host sync, still `fullgraph=True`.
+
 Logprobs are `log_softmax` of the *raw* model logits (before bias, penalties, temperature and filters), as
 vLLM's default `logprobs_mode="raw_logprobs"`; they describe the model, not the processed distribution.
 """
@@ -39,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.inference.noise import exponential_noise
+from astrai.inference.params import SAMPLING_EPS
 from astrai.inference.sampling_batch import SamplingBatch
 from astrai.tree import pytree, replace
 
@@ -107,9 +116,14 @@ def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return x.masked_fill(x < threshold, _NEG_INF)
 
 
+def greedy_rows(batch: SamplingBatch) -> Tensor:
+    """[B] bool: rows with temperature below `SAMPLING_EPS` (greedy; a NaN temperature is not, and falls back)."""
+    return batch.temperature < SAMPLING_EPS
+
+
 def filter_logits(x: Tensor, batch: SamplingBatch) -> Tensor:
     """Steps 6-9: temperature, top-k, top-p, min-p on penalised logits [B, V]. Greedy rows use temperature 1."""
-    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    temperature = torch.where(greedy_rows(batch), 1.0, batch.temperature)
     x = x / temperature[:, None]
     if batch.needs_sort:
         x = _top_k_top_p(x, batch.top_k, batch.top_p)
@@ -132,14 +146,21 @@ def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     best = x.argmax(dim=-1)  # [B]
     out = filter_logits(x, batch)
     not_best = torch.arange(x.shape[-1], device=x.device)[None, :] != best[:, None]
-    return out.masked_fill((batch.temperature == 0)[:, None] & not_best, _NEG_INF)
+    return out.masked_fill(greedy_rows(batch)[:, None] & not_best, _NEG_INF)
+
+
+def _raw_argmax(logits: Tensor) -> Tensor:
+    """[B] the NaN policy's fallback: argmax of the raw logits with NaN read as -inf."""
+    x = logits.float()
+    return x.masked_fill(x.isnan(), _NEG_INF).argmax(dim=-1)
 
 
 def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_logprobs: bool = False) -> SampleOutput:
     """Draw one token per row.
 
-    Greedy rows (temperature 0) take the argmax of the penalised logits (step 5); other rows draw
-    `argmax(softmax(process_logits) / E)` with E = `exponential_noise(batch.seed, batch.step, V)`.
+    Greedy rows (temperature < SAMPLING_EPS) take the argmax of the penalised logits (step 5); other rows draw
+    `argmax(softmax(process_logits) / E)` with E = `exponential_noise(batch.seed, batch.step, V)`. A row left
+    with no valid choice (NaN, +inf, or all -inf) takes the argmax of its raw logits (the NaN policy above).
 
     Args:
         logits: [B, V] raw model logits.
@@ -152,12 +173,17 @@ def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_
     """
     x = penalize_logits(logits, batch)
     best = x.argmax(dim=-1)  # [B]
+    # amax propagates NaN: False for a row with any NaN, every logit -inf, or an overflow to +inf
+    ok = x.amax(dim=-1).isfinite()  # [B]
     if batch.all_greedy:
         tokens = best
     else:
-        probs = filter_logits(x, batch).softmax(dim=-1)  # [B, V]
+        greedy = greedy_rows(batch)
+        probs = filter_logits(x, batch).softmax(dim=-1)  # [B, V]; NaN in a row whose filtering overflowed
         noise = exponential_noise(batch.seed, batch.step, logits.shape[-1])  # [B, V]
-        tokens = torch.where(batch.temperature == 0, best, (probs / noise).argmax(dim=-1))
+        tokens = torch.where(greedy, best, (probs / noise).argmax(dim=-1))
+        ok = ok & (greedy | ~probs.isnan().any(dim=-1))
+    tokens = torch.where(ok, tokens, _raw_argmax(logits))
     if not (want_logprobs or top_logprobs > 0):
         return replace(_OUTPUT_TEMPLATE, tokens=tokens)
     raw = logits.float().log_softmax(dim=-1)  # [B, V]

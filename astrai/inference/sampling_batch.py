@@ -24,7 +24,7 @@ class SamplingBatch:
     """Per-row sampling settings and history, on the logits' device.
 
     Attributes:
-        temperature: [B] f32; 0 = greedy.
+        temperature: [B] f32; 0 = greedy (rows whose `SamplingParams.greedy` holds get exactly 0).
         top_k: [B] i64; 0 = off.
         top_p: [B] f32 in (0, 1]; 1 = off.
         min_p: [B] f32 in [0, 1]; 0 = off.
@@ -127,7 +127,7 @@ def make_sampling_batch(
     def i64(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    greedy = [p.temperature == 0 for p in params]
+    greedy = [p.greedy for p in params]  # temperature below SAMPLING_EPS: sent as 0
     top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
     use_rep = any(p.repetition_penalty != 1 for p in params)
     use_counts = use_rep or any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params)
@@ -141,7 +141,7 @@ def make_sampling_batch(
         for p, step, stop in zip(params, steps, stop_ids, strict=True)
     ]
     return SamplingBatch(
-        temperature=f32([p.temperature for p in params]),
+        temperature=f32([0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]),
         top_k=i64(top_k),
         top_p=f32([p.top_p for p in params]),
         min_p=f32([p.min_p for p in params]),

@@ -121,8 +121,11 @@ class Scheduler:
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.stats.preemptions += 1
-        # back to the queue in arrival order, ahead of everything that arrived later
-        at = next((i for i, s in enumerate(self.waiting) if s.arrival > victim.arrival), len(self.waiting))
+        # back to the queue in arrival order, ahead of everything that arrived later; within a request by index, so
+        # an n > 1 leader goes back ahead of its followers (behind them, a follower at the head waits for the
+        # leader's prefill, the leader waits behind it: strict FIFO would never admit either)
+        key = (victim.arrival, victim.index)
+        at = next((i for i, s in enumerate(self.waiting) if (s.arrival, s.index) > key), len(self.waiting))
         self.waiting.insert(at, victim)
 
     # ---- one step -------------------------------------------------------------------------------------

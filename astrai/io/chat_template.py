@@ -9,9 +9,13 @@ inputs the same way (messages, tools and documents rebuilt from plain JSON types
 dropped, reasoning fields aliased), so the rendered text is byte-identical to
 ``tokenizer.apply_chat_template(..., tokenize=False)``.
 
+``LiteralMarker`` keeps track of client text through a render: it hides given literals (special-token text) in
+the inputs behind unforgeable markers and, after rendering, puts them back and reports where they landed, so the
+tokenizer can encode them as plain text (``Tokenizer.encode_chat``).
+
 Not here: callables as tools (transformers turns a Python function's docstring into a JSON schema; pass the
-schema yourself), assistant-token masks (``{% generation %}`` renders its body but tracks nothing), batches of
-conversations, and control-token sanitising. Tokenising the rendered text is ``astrai.io.tokenizer``'s job.
+schema yourself), assistant-token masks (``{% generation %}`` renders its body but tracks nothing) and batches of
+conversations. Tokenising the rendered text is ``astrai.io.tokenizer``'s job.
 
 Reference: https://huggingface.co/docs/transformers/main/en/chat_templating
 """
@@ -21,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -277,6 +283,90 @@ def select_chat_template(
             "chat_template.jinja); pass chat_template=... or format the prompt yourself"
         )
     return templates
+
+
+# ---- client text through a render ---------------------------------------------------------------------------
+_SCAN_CHUNK = 1 << 15  # characters per regex search: one C call on hostile text ("<|<|<|...") holds the GIL briefly
+
+
+@functools.lru_cache(maxsize=16)
+def _literal_pattern(literals: tuple[str, ...]) -> re.Pattern[str]:
+    # longest first: where several literals start at one position the longest wins, as the tokenizer's
+    # leftmost-longest added-token matching does
+    return re.compile("|".join(re.escape(s) for s in sorted(literals, key=len, reverse=True)))
+
+
+def find_literals(text: str, literals: tuple[str, ...]) -> Iterator[re.Match[str]]:
+    """Leftmost non-overlapping occurrences of ``literals`` in ``text`` (the longest where several start at one
+    position), searched a chunk at a time so that no single regex call holds the GIL for long."""
+    pattern, overlap, pos = _literal_pattern(literals), max(map(len, literals)) - 1, 0
+    while pos < len(text):
+        match = pattern.search(text, pos, pos + _SCAN_CHUNK + overlap)
+        if match is None or match.start() >= pos + _SCAN_CHUNK:  # a later match may cross the window's end
+            pos += _SCAN_CHUNK
+            continue
+        yield match
+        pos = match.end()
+
+
+class LiteralMarker:
+    """Carries literals found in client strings through a chat-template render, remembering where they end up.
+
+    ``hide`` replaces each occurrence of a literal in every string (and dict key) of a value by a marker
+    ``[astrai-<random nonce>:<k>]``: ASCII, so ``tojson`` keeps it; not whitespace, so ``trim`` keeps it; and
+    unforgeable, since the nonce is drawn per instance. ``reveal`` puts the literals back into the rendered text
+    and returns the character spans they occupy. Strings without a literal are passed through unchanged (``hits``
+    stays 0), so rendering their conversation gives exactly the text it gave before.
+
+    Footgun: a template that cuts client text (``content[:n]``) may cut a marker; the cut part stays as text.
+
+    Attributes:
+        literals: the strings to track (e.g. the tokenizer's special tokens).
+        hits: how many occurrences ``hide`` has replaced so far.
+    """
+
+    def __init__(self, literals: Sequence[str]) -> None:
+        self.literals = tuple(dict.fromkeys(s for s in literals if s))
+        self.hits = 0
+        self._index = {s: k for k, s in enumerate(self.literals)}
+        self._open = f"[astrai-{secrets.token_hex(12)}:"
+
+    def hide(self, value: Any) -> Any:
+        """``value`` (str, dict, list or tuple, nested) with every literal inside a string replaced by a marker."""
+        if isinstance(value, str):
+            return self._hide_text(value)
+        if isinstance(value, Mapping):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(self.hide(v) for v in value)
+        return value
+
+    def _hide_text(self, text: str) -> str:
+        if not self.literals:
+            return text
+        pieces, pos = [], 0
+        for match in find_literals(text, self.literals):
+            pieces += [text[pos : match.start()], f"{self._open}{self._index[match.group()]}]"]
+            pos = match.end()
+        self.hits += len(pieces) // 2
+        return "".join(pieces) + text[pos:] if pieces else text
+
+    def reveal(self, text: str) -> tuple[str, list[int], list[int]]:
+        """``text`` with the markers replaced by their literals, and where the literals start and end in it.
+
+        Flat lists of ints, not ``(start, end)`` tuples: hostile text yields hundreds of thousands of spans, and
+        that many live tuples make each full garbage-collector pass stall every thread for ~0.1 s.
+        """
+        out, starts, ends, pos, size = [], [], [], 0, 0
+        for match in re.finditer(re.escape(self._open) + r"(\d+)\]", text):
+            literal = self.literals[int(match.group(1))]
+            out += [text[pos : match.start()], literal]
+            size += match.start() - pos
+            starts.append(size)
+            size += len(literal)
+            ends.append(size)
+            pos = match.end()
+        return "".join(out) + text[pos:], starts, ends
 
 
 def load_chat_templates(folder: str | Path, tokenizer_config: Mapping[str, Any]) -> str | dict[str, str] | None:

@@ -11,12 +11,19 @@ named special tokens missing from the added vocabulary are added as special; tru
 
 ``train_tokenizer`` trains a small byte-level BPE locally (tests and the quickstart use it; no downloads).
 
+Serving: ``encode_nogil`` gives ``encode``'s ids through the backend's batch path, which releases the GIL while
+Rust works (``tokenizers``' ``encode`` holds it for the whole call: seconds for a multi-megabyte text), so a
+worker thread tokenizing does not stop the event loop. ``encode_chat`` renders a conversation and encodes it so
+that only the chat template's own text yields special tokens: special-token text sent by a client (a user writing
+``<|im_end|>``) is encoded as plain text, as transformers' ``split_special_tokens`` would encode it.
+
 Not here: slow (sentencepiece ``.model`` / ``vocab.txt``) tokenizers with no ``tokenizer.json``, the
 WordPiece-era ``clean_up_tokenization_spaces`` post-processing, padding and truncation.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +36,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from astrai.io.chat_template import (
     CHAT_TEMPLATE_DIR,
     CHAT_TEMPLATE_FILE,
+    LiteralMarker,
+    find_literals,
     load_chat_templates,
     render_chat_template,
     select_chat_template,
@@ -74,6 +83,12 @@ def _eos_ids_from_model_files(folder: Path) -> list[int]:
     nested = text_config.get("eos_token_id") if isinstance(text_config, dict) else None
     value = model_config.get("eos_token_id", nested)
     return ids + _as_id_list(value)
+
+
+def _fast_ids(backend: tokenizers.Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    # the batch methods release the GIL while Rust works; `_fast` (tokenizers >= 0.21) skips computing offsets
+    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class Tokenizer:
@@ -169,6 +184,14 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. a leading BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_nogil(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``encode``'s ids, computed with the GIL released (what worker threads beside an event loop call).
+
+        ``tokenizers.Tokenizer.encode`` holds the GIL for the whole call (seconds for megabytes of text); the
+        backend's batch path releases it while Rust works.
+        """
+        return _fast_ids(self.backend, text, add_special_tokens=add_special_tokens)
+
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """``encode`` over many texts (parallel in the Rust backend)."""
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
@@ -219,6 +242,20 @@ class Tokenizer:
         """Ids that stop generation: generation_config.json, then config.json, then ``eos_token``; deduped."""
         ids = [*self._extra_eos, self.eos_token_id]
         return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    @property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """Text of every added token marked special (what ``encode_chat`` keeps as text in client strings)."""
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
+    @functools.cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        # a copy that encodes special-token text as text (transformers' split_special_tokens); toggling the flag
+        # on the shared backend would race with other threads encoding. Built once: later changes to `backend`
+        # do not reach it.
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     @functools.cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
@@ -274,12 +311,96 @@ class Tokenizer:
         Raises:
             ValueError: no chat template, or the template rejected the conversation (its message is kept).
         """
-        template = select_chat_template(self._chat_template, name=chat_template, tools=tools)
-        variables = {**self.special_tokens_map, **kwargs}
-        text = render_chat_template(
-            template, messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
-        )
+        text = self._render(messages, tools, chat_template, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Any, name: str | None, **variables: Any) -> str:
+        template = select_chat_template(self._chat_template, name=name, tools=tools)
+        return render_chat_template(template, messages, tools=tools, **{**self.special_tokens_map, **variables})
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        prefill: str = "",
+        head: str = "",
+        special_tokens_in_content: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Prompt ids of a conversation: the template rendered for generation, then ``prefill``, then ``head``.
+
+        Only the template's own text (and ``head``) can produce special tokens: special-token text inside the
+        client's strings (message contents, names, tool-call arguments, tool schemas, ``prefill``) is encoded as
+        plain text, e.g. a user's ``<|im_end|>`` becomes ``<``, ``|``, ``im``, ... and cannot close its turn.
+        A conversation whose strings hold no special-token text gets exactly
+        ``encode(apply_chat_template(...) + prefill + head, add_special_tokens=False)``.
+
+        Args:
+            messages, tools, chat_template, **kwargs: as ``apply_chat_template`` (``add_generation_prompt`` is on).
+            prefill: client text the reply continues (an assistant pre-fill), appended after the template.
+            head: trusted text appended last (the opening of a forced tool call).
+            special_tokens_in_content: encode the whole text as ``apply_chat_template(tokenize=True)`` does, so
+                special-token text in client strings becomes control tokens (the behaviour before this policy).
+
+        Raises:
+            ValueError: no chat template, or the template rejected the conversation.
+        """
+        marker = LiteralMarker(() if special_tokens_in_content else self.special_token_texts)
+        messages, tools, prefill = marker.hide(list(messages)), marker.hide(tools), marker.hide(prefill)
+        text = self._render(messages, tools, chat_template, add_generation_prompt=True, **kwargs) + prefill + head
+        if not marker.hits:
+            return self.encode_nogil(text, add_special_tokens=False)
+        return self._encode_protected(*marker.reveal(text))
+
+    def _encode_protected(self, text: str, starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+        """Ids of ``text`` in which special tokens matched inside the client-text spans ``starts[k]:ends[k]``
+        (sorted, disjoint) are encoded as text.
+
+        The tokenizer splits text at added tokens before its pre-tokenizer and model run, so the stretch between
+        two of the template's special tokens is encoded on its own; each stretch holding an injected match is
+        encoded again with special-token matching off and spliced in. (A Metaspace pre-tokenizer with
+        ``prepend_scheme="first"`` then sees that stretch as a first piece and prefixes it with a space.)
+        """
+        ids, special = self.encode_nogil(text, add_special_tokens=False), self.special_token_ids
+        marks = [i for i, t in enumerate(ids) if t in special]
+        where = self._special_spans(text, [ids[i] for i in marks])
+        if where is None:  # the tokenizer's own offsets: exact, but computing them triples the encode time
+            enc = self.backend.encode_batch([text], add_special_tokens=False)[0]
+            where = [enc.token_to_chars(i)[0] for i in marks], [enc.token_to_chars(i)[1] for i in marks]
+        los, his = where
+        bad = {k for k in range(len(marks))
+               if (j := bisect.bisect_right(ends, los[k])) < len(starts) and starts[j] < his[k]}  # fmt: skip
+        real = [k for k in range(len(marks)) if k not in bad]
+        # stretches holding an injected token, as the numbers of the real special tokens around them (-1 and
+        # len(marks) for the text's ends)
+        runs = sorted({(real[j - 1] if j else -1, real[j] if j < len(real) else len(marks))
+                       for j in (bisect.bisect_left(real, k) for k in bad)})  # fmt: skip
+        out, pos = [], 0
+        for before, after in runs:
+            lo, first = (his[before], marks[before] + 1) if before >= 0 else (0, 0)
+            hi, end = (los[after], marks[after]) if after < len(marks) else (len(text), len(ids))
+            out += ids[pos:first] + _fast_ids(self._text_backend, text[lo:hi], add_special_tokens=False)
+            pos = end
+        return out + ids[pos:]
+
+    def _special_spans(self, text: str, found_ids: Sequence[int]) -> tuple[list[int], list[int]] | None:
+        """Where the special tokens ``found_ids`` (in order) start and end in ``text``, from a literal scan.
+
+        None where the scan may disagree with the tokenizer: special tokens that strip whitespace, match whole
+        words or normalized text, or a scan that finds other tokens than the tokenizer did.
+        """
+        added = [t for t in self.backend.get_added_tokens_decoder().values() if t.special]
+        if any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added):
+            return None
+        token_id = {t.content: self.backend.token_to_id(t.content) for t in added}
+        los, his, scanned = [], [], []  # flat int lists: see LiteralMarker.reveal
+        for match in find_literals(text, tuple(token_id)):
+            los.append(match.start())
+            his.append(match.end())
+            scanned.append(token_id[match.group()])
+        return (los, his) if scanned == list(found_ids) else None
 
     def detokenizer(
         self, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()

@@ -1,6 +1,7 @@
 """Anthropic-compatible Messages API: `POST /v1/messages` (and `POST /v1/messages/count_tokens`).
 
-Request validation, the prompt and the sampling settings are `anthropic_protocol`'s.
+Request validation, the prompt and the sampling settings are `anthropic_protocol`'s. The prompt is rendered and
+tokenized on the server's worker pool (`ServerState.offload`), so a huge prompt does not stall other streams.
 
 Response: `{"id": "msg_<24 hex>", "type": "message", "role": "assistant", "model", "content": [text block
 (omitted when blank and tool calls follow), tool_use blocks {"id": "toolu_<24 hex>", "name", "input"}],
@@ -161,13 +162,10 @@ def _error_event(message: str, kind: str = "api_error") -> str:
 
 async def _stream(gen: Generation, source: AsyncIterator[Delta], head: dict[str, Any]) -> AsyncIterator[str]:
     yield sse({"type": "message_start", "message": head}, "message_start")
-    try:
-        async for delta in source:
-            for ev in gen.feed(delta):
-                yield sse(ev, ev["type"])
-    except Exception as err:  # the engine failed: the status line is long gone, so report in-band
-        yield _error_event(f"generation failed: {type(err).__name__}: {err}")
-        return
+    # a failure here (the 200 is long gone) is logged and reported in-band by common.route's stream guard
+    async for delta in source:
+        for ev in gen.feed(delta):
+            yield sse(ev, ev["type"])
     if gen.finish == "abort":
         yield _error_event("the request was aborted (the server is shutting down)", "overloaded_error")
         return
@@ -179,9 +177,13 @@ async def _stream(gen: Generation, source: AsyncIterator[Delta], head: dict[str,
 def routes(state: ServerState) -> list[Route]:
     """The Anthropic routes over a `ServerState`."""
 
+    async def prompt_ids(req: MessagesRequest) -> list[int]:  # rendered and tokenized off the event loop
+        return await state.offload(render_prompt, state.tokenizer, req,
+                                   allow_special_tokens=state.allow_special_tokens_in_content)  # fmt: skip
+
     async def messages(request: Request) -> Response:
         req = parse_request(await json_body(request))
-        ids = render_prompt(state.tokenizer, req)
+        ids = await prompt_ids(req)
         handle = submit(state.engine, ids, sampling_params(req), busy_status=529)
         gen = Generation(req)
         source = state.metrics.observe(deltas(request, handle), len(ids))
@@ -201,7 +203,7 @@ def routes(state: ServerState) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         req = parse_request(await json_body(request), count_only=True)
-        return JSONResponse({"input_tokens": len(render_prompt(state.tokenizer, req))})
+        return JSONResponse({"input_tokens": len(await prompt_ids(req))})
 
     return [Route("/v1/messages", route(anthropic_error, messages), methods=["POST"]),
             Route("/v1/messages/count_tokens", route(anthropic_error, count_tokens), methods=["POST"])]  # fmt: skip

@@ -18,7 +18,9 @@ Prompt: the chat template renders the system message first, then the turns: text
 assistant `tool_use` blocks as OpenAI-style `tool_calls` (arguments as a dict), `tool_result` blocks as `tool`
 messages (content prefixed with "Error: " when `is_error`). Tools are rendered unless tool_choice is none;
 "any" pre-fills the assistant turn with `<tool_call>\\n{"name": "` and "tool" with the named call's head, which
-the tool-call parser (`astrai.serve.tool_calls`) treats as already generated.
+the tool-call parser (`astrai.serve.tool_calls`) treats as already generated. Special-token text anywhere in the
+client's strings (`<|im_end|>` in a message) is encoded as plain text, so only the chat template makes control
+tokens (`astrai serve --allow-special-tokens-in-content` turns that off).
 
 The routes, streaming and the reply's content blocks are `anthropic_api`'s.
 """
@@ -269,16 +271,21 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
                            stream=_opt(body, "stream", "boolean", False))  # fmt: skip
 
 
-def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest) -> list[int]:
-    """Prompt token ids: the rendered conversation, then the assistant pre-fill and the forced tool-call head."""
+def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_special_tokens: bool = False
+                  ) -> list[int]:  # fmt: skip
+    """Prompt token ids: the rendered conversation, then the assistant pre-fill and the forced tool-call head.
+
+    Special-token text in the client's strings (pre-fill included) is encoded as plain text unless
+    `allow_special_tokens` (see `Tokenizer.encode_chat`). Seconds for a huge body: handlers run it off the loop.
+    """
     if tokenizer is None:
         raise APIError(400, "the served model has no tokenizer, so it cannot take chat messages")
+    head = ("\n" if req.prefill and req.forced else "") + req.forced
     try:
-        text = tokenizer.apply_chat_template(list(req.messages), tools=list(req.tools) or None, tokenize=False)
+        return tokenizer.encode_chat(list(req.messages), tools=list(req.tools) or None, prefill=req.prefill,
+                                     head=head, special_tokens_in_content=allow_special_tokens)  # fmt: skip
     except ValueError as err:
         raise APIError(400, f"the chat template rejected the conversation: {err}") from None
-    text += req.prefill + ("\n" if req.prefill and req.forced else "") + req.forced
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:

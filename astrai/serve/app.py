@@ -1,17 +1,23 @@
 """The Starlette app: OpenAI- and Anthropic-compatible routes around one `Engine`, plus health and metrics.
 
 `build_app(engine, ...)` returns the ASGI app; `astrai serve` runs it on uvicorn. A pure-ASGI guard in front of
-the routes enforces the optional API key (`Authorization: Bearer KEY` or `x-api-key: KEY`) and the body-size
-limit, and counts requests by endpoint and status. No model code lives in the handlers: they map API fields to
+the routes (`Guard`) enforces the optional API key (`Authorization: Bearer KEY` or `x-api-key: KEY`), loopback
+`Host` names on loopback connections, JSON-only POSTs, and the body's size and deadline (counted as it arrives),
+and counts requests by endpoint and status; 404/405 come in the API's error shape too. Connection-level limits
+(request-head deadline, open connections) are `server.py`'s. No model code lives in the handlers: they map API fields to
 `SamplingParams`, submit token ids, and format what the engine streams back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import hmac
+import ipaddress
+from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -20,49 +26,152 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
 from astrai.serve import anthropic_api, embeddings_api, openai_api
-from astrai.serve.common import APIError, anthropic_error, openai_error
+from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+LINGER_S = 0.25  # after an early answer, read (and drop) the rest of the body this long: closing on unread data
+# resets the connection, and a reset can reach the client before it has read the answer
+
+
+def error_renderer(path: str) -> Callable[[APIError], Response]:
+    """The error shape of the API `path` belongs to: Anthropic's for /v1/messages*, OpenAI's for everything else."""
+    return anthropic_error if path.startswith("/v1/messages") else openai_error
+
+
+def _hostname(host: str) -> str:
+    """`Host` header -> lowercase name without port: `[::1]:8000` -> `::1`, `LocalHost.:80` -> `localhost`."""
+    name = host.partition("]")[0][1:] if host.startswith("[") else host.rpartition(":")[0] if ":" in host else host
+    return name.lower().rstrip(".")
+
+
+def _is_loopback(address: str | None) -> bool:
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:
+        return False
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def _key_matches(key: str, headers: dict[str, str]) -> bool:
+    """`Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time (no timing oracle on the key)."""
+    bearer = headers.get("authorization", "")
+    token = bearer[7:] if bearer[:7].lower() == "bearer " else ""
+    expected = key.encode()  # header values are raw bytes, decoded latin-1: compare bytes
+    by_bearer = hmac.compare_digest(token.encode("latin-1"), expected)
+    return hmac.compare_digest(headers.get("x-api-key", "").encode("latin-1"), expected) or by_bearer
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the already-read `body` once, then the connection's own messages (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 class Guard:
-    """Auth, body-size limit and request counting in front of every route (pure ASGI: streaming-safe)."""
+    """Host check, auth, content type, body size and body deadline, and request counting in front of every route.
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    Pure ASGI (streaming-safe). The Guard reads the body itself, counting bytes as they arrive, so a body over
+    `max_body_bytes` is answered 413 the moment it passes the limit whatever its framing (chunked, or a
+    `Content-Length` that lies) and never buffered whole, and a body still incomplete after `body_timeout`
+    seconds is answered 408; the route then reads the body from memory. Requests arriving on a loopback address
+    must name a loopback `Host` (DNS rebinding) unless `allowed_hosts` lists the name (or "*"); POST bodies must be
+    `application/json` (a web page's simple cross-site request cannot send that type). Errors come in the API's
+    own shape.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState, *, body_timeout: float = 60.0,
+                 allowed_hosts: tuple[str, ...] | None = None) -> None:  # fmt: skip
         self.app, self.state = app, state  # `state` is public: tests and embedders reach the engine through it
+        self.body_timeout = body_timeout
+        self.allowed_hosts = None if allowed_hosts is None else frozenset(_hostname(h) for h in allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        render = anthropic_error if path.startswith("/v1/messages") else openai_error
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        status = {"code": 500}
+        status = {"code": 499}  # stays 499 when the client leaves before any answer
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
 
-        error = self._check(path, headers)
         try:
+            error = self._check(scope, headers)
+            has_body = "transfer-encoding" in headers or headers.get("content-length", "0") not in ("0", "")
+            if error is None:
+                body, error = await self._read_body(receive)
+                has_body = error is not None  # an error while reading leaves part of the body unread
+                if body is not None:
+                    status["code"] = 500
+                    await self.app(scope, _replay(body, receive), counting_send)
             if error is not None:
-                await render(error)(scope, receive, counting_send)
-            else:
-                await self.app(scope, receive, counting_send)
+                await _answer_early(error_renderer(path)(error), scope, receive, counting_send, unread_body=has_body)
         finally:
             self.state.metrics.count_request(path, status["code"])
 
-    def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
-        key = self.state.api_key
-        if key and path.startswith("/v1/"):
-            bearer = headers.get("authorization", "")
-            if bearer != f"Bearer {key}" and headers.get("x-api-key") != key:
-                return APIError(401, "invalid or missing API key", type="authentication_error")
+    def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
+        host = _hostname(headers.get("host", ""))
+        if not self._host_allowed(host, scope):
+            return APIError(400, f"the Host {host!r} is not allowed for this server; list it with --allowed-hosts")
+        key, path = self.state.api_key, scope["path"]
+        protected = path.startswith("/v1/") or (path == "/metrics" and not self.state.metrics_public)
+        if key and protected and not _key_matches(key, headers):
+            return APIError(401, "invalid or missing API key", type="authentication_error")
+        media = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if scope["method"] == "POST" and media != "application/json":
+            return APIError(415, f"POST bodies must be JSON sent as Content-Type: application/json, not {media!r}")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
             return APIError(413, f"the request body has {length} bytes; the limit is {self.state.max_body_bytes}")
         return None
+
+    def _host_allowed(self, host: str, scope: Scope) -> bool:
+        if host in LOOPBACK_HOSTS or (self.allowed_hosts is not None and ({host, "*"} & self.allowed_hosts)):
+            return True
+        # not configured: a loopback connection (where a browser page may be rebinding a name) needs a loopback name
+        return self.allowed_hosts is None and not _is_loopback((scope.get("server") or (None,))[0])
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, APIError | None]:
+        """The whole body, or an error (413 past the limit, 408 past the deadline); (None, None): client gone."""
+        limit, chunks, size = self.state.max_body_bytes, [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None, None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return None, APIError(413, f"the request body passed the limit of {limit} bytes")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks), None
+        except TimeoutError:
+            return None, APIError(408, f"the request body did not arrive within {self.body_timeout:g} s")
+
+
+async def _answer_early(response: Response, scope: Scope, receive: Receive, send: Send, *, unread_body: bool) -> None:
+    """Send an error answer; with part of the body unread, close the connection after it (lingering briefly)."""
+    if not unread_body:
+        await response(scope, receive, send)
+        return
+    response.headers["connection"] = "close"  # never read (possibly endless) rest of the body on a kept connection
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})  # the whole answer
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while (message := await receive())["type"] == "http.request" and message.get("more_body", False):
+                pass
+    await send({"type": "http.response.body", "body": b"", "more_body": False})  # then uvicorn closes
 
 
 def _basic_routes(state: ServerState) -> list[Route]:
@@ -78,17 +187,35 @@ def _basic_routes(state: ServerState) -> list[Route]:
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    return [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models)]
+    return [Route("/health", route(openai_error, health)), Route("/metrics", route(openai_error, metrics)),
+            Route("/v1/models", route(openai_error, models))]  # fmt: skip
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's 404 (no route) and 405 (route without that method), in the API's shape (OpenAI's wording)
+    assert isinstance(exc, HTTPException)
+    err = APIError(exc.status_code, f"Invalid URL ({request.method} {request.url.path})")
+    response = error_renderer(request.url.path)(err)
+    response.headers.update(exc.headers or {})  # 405: Allow
+    return response
 
 
 def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None = None,
-              max_body_bytes: int = 8 << 20, embeddings: EncoderConfig | None = None) -> ASGIApp:  # fmt: skip
+              max_body_bytes: int = 8 << 20, embeddings: EncoderConfig | None = None, body_timeout: float = 60.0,
+              allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False, tokenizer_workers: int = 4,
+              allow_special_tokens_in_content: bool = False) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
+    `body_timeout` bounds the seconds a request body may take to arrive; `allowed_hosts` (see `Guard`) lists the
+    `Host` names accepted besides loopback ones ("*": any; None: any, except on loopback connections).
+    With an `api_key`, `GET /metrics` needs the key too unless `metrics_public`. `tokenizer_workers` threads
+    render chat templates and tokenize, off the event loop; `allow_special_tokens_in_content` lets special-token
+    text in chat messages become control tokens (`Tokenizer.encode_chat`).
     """
     state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                        embeddings=embeddings)  # fmt: skip
+                        embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -97,6 +224,9 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
 
     routes = _basic_routes(state) + openai_api.routes(state) + embeddings_api.routes(state)
     routes += anthropic_api.routes(state)
+    state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = state
-    return Guard(app, state)
+    app.add_exception_handler(404, _http_error)
+    app.add_exception_handler(405, _http_error)
+    return Guard(app, state, body_timeout=body_timeout, allowed_hosts=allowed_hosts)

@@ -3,12 +3,21 @@ on the engine so that a client disconnect aborts it (and frees its KV).
 
 Each API renders errors in its own shape (OpenAI `{"error": {...}}`, Anthropic `{"type": "error", ...}`), so
 handlers raise `APIError` and the route wrapper picks the renderer.
+
+Client input never causes a 500: a body that is not strict UTF-8 JSON, nests arrays/objects deeper than
+`MAX_JSON_DEPTH`, holds an integer literal longer than Python parses (4,300 digits) or a lone UTF-16 surrogate
+escape (`"\\ud800"`) is a 400. Anything else a handler raises is a bug: it is logged with its traceback on the
+`astrai.serve` logger under a request id, and the client gets a 500 (or, mid-stream, an error event) that
+carries only that id, never the exception text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,10 +42,17 @@ class APIError(Exception):
     code: str | None = None
 
 
+RETRY_AFTER_S = 1  # sent as Retry-After with 429 / 529 (the queue is full): a short wait, then retry
+
+
+def _retry_after(err: APIError) -> dict[str, str] | None:
+    return {"Retry-After": str(RETRY_AFTER_S)} if err.status in (429, 529) else None
+
+
 def openai_error(err: APIError) -> JSONResponse:
     """OpenAI's error body."""
     body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    return JSONResponse(body, status_code=err.status)
+    return JSONResponse(body, status_code=err.status, headers=_retry_after(err))
 
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors)
@@ -48,19 +64,64 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 def anthropic_error(err: APIError) -> JSONResponse:
     """Anthropic's error body."""
     kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": err.message}}, status_code=err.status)
+    body = {"type": "error", "error": {"type": kind, "message": err.message}}
+    return JSONResponse(body, status_code=err.status, headers=_retry_after(err))
+
+
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays/objects a request body may have (the body object is level 1)."""
+
+logger = logging.getLogger("astrai.serve")
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape: half of a pair, or lone
+_NESTED = (dict, list)
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    # level by level, keeping only containers; set(map(type, ...)) skips long scalar lists at C speed
+    level = [value] if isinstance(value, _NESTED) else []
+    for _ in range(limit):
+        below = []
+        for node in level:
+            children = node.values() if isinstance(node, dict) else node
+            kinds = set(map(type, children))
+            if dict in kinds or list in kinds:
+                below += [child for child in children if isinstance(child, _NESTED)]
+        if not below:
+            return False
+        level = below
+    return True
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or APIError 400 naming what is wrong (never another exception)."""
+    try:
+        text = raw.decode("utf-8-sig")  # strict: UTF-8-encoded surrogates are invalid here (json.loads passes them)
+        body = json.loads(text)
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not valid UTF-8: {err}") from None
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # int() refuses literals over sys.get_int_max_str_digits() (4,300) digits
+        raise APIError(400, "the request body is not valid JSON: a number literal is too long") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise APIError(400, f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then pay for re-encoding the whole tree
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without "
+                                "its pair): text must be valid Unicode") from None  # fmt: skip
+    return body
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, or APIError 400 naming what is wrong."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+    """The request body as a JSON object (`parse_json`), or APIError 400 naming what is wrong."""
+    return parse_json(await request.body())
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
@@ -84,7 +145,7 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, bus
     except EngineDeadError as err:
         raise APIError(503, str(err), type="server_error") from None
     except ValueError as err:  # prompt too long, bad sampling values: the message names the field and numbers
-        raise APIError(400, str(err)) from None
+        raise APIError(400, str(err), param=getattr(err, "param", None)) from None  # EngineInputError.param
 
 
 async def _abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
@@ -116,15 +177,39 @@ async def complete(request: Request, handle: RequestHandle) -> tuple[list[Delta]
     return got, handle.completion
 
 
+def internal_error(request: Request) -> APIError:
+    """Log the exception being handled (traceback and a new request id); the generic 500 the client gets instead."""
+    request_id = f"req-{uuid.uuid4().hex[:24]}"
+    logger.exception("internal error in %s %s (request id %s)", request.method, request.url.path, request_id)
+    return APIError(500, f"internal error; request id {request_id}", type="server_error")
+
+
+async def _guarded(events: AsyncIterator[str], request: Request, render_error: Callable[[APIError], Response]
+                   ) -> AsyncIterator[str]:  # fmt: skip
+    try:
+        async for event in events:
+            yield event
+    except Exception:  # the 200 went out: report in-band, in the API's stream error shape
+        body = json.loads(render_error(internal_error(request)).body)
+        yield sse(body, "error" if body.get("type") == "error" else None)  # Anthropic: `event: error`
+    finally:
+        if hasattr(events, "aclose"):
+            await events.aclose()  # run the stream's own cleanup (abort, free KV) now, not at garbage collection
+
+
 def route(render_error: Callable[[APIError], Response], handler: Callable) -> Callable:
-    """Wrap a handler so that APIError (and unexpected failures) come back in the API's own error shape."""
+    """Wrap a handler so that APIError (and unexpected failures, see `internal_error`) come back in the API's own
+    error shape; a streamed body is wrapped the same way."""
 
     async def endpoint(request: Request) -> Response:
         try:
-            return await handler(request)
+            response = await handler(request)
         except APIError as err:
             return render_error(err)
-        except Exception as err:  # a bug: still answer in the API's shape, with a 500
-            return render_error(APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))
+        except Exception:  # a bug, never the client's input: logged, and answered with a generic 500
+            return render_error(internal_error(request))
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _guarded(response.body_iterator, request, render_error)
+        return response
 
     return endpoint

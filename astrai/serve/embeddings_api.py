@@ -9,7 +9,8 @@ normalisation are the server's, fixed at start. Disabled, the route answers 404 
 (no truncation or projection is offered). Bad fields are 400s naming `param`.
 
 The encoder is the dense forward without a KV cache, so it never touches the engine's pool or scheduler; it
-runs on a worker thread (one request at a time, behind a lock) so the event loop keeps streaming chat replies.
+runs on a worker thread (one request at a time, behind a lock) so the event loop keeps streaming chat replies;
+text inputs are tokenized on the server's tokenizer pool (`ServerState.offload`) for the same reason.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def routes(state: ServerState) -> list[Route]:
         if state.embeddings is None:
             raise APIError(404, "embeddings are not enabled on this server: start it with `astrai serve "
                            "--embeddings`", type="not_found_error")  # fmt: skip
-        req = parse_embeddings(state, await common.json_body(request))
+        req = await state.offload(parse_embeddings, state, await common.json_body(request))  # tokenizes
         vectors = await asyncio.to_thread(run, req.inputs)
         tokens = sum(len(row) for row in req.inputs)
         state.metrics.embedding_tokens += tokens

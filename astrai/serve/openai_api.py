@@ -1,7 +1,9 @@
 """OpenAI-compatible routes: `POST /v1/chat/completions` and `POST /v1/completions` (`GET /v1/models` is app.py's).
 
 What a request may hold, and how each field is validated and mapped onto the chat template and SamplingParams,
-is `openai_protocol`'s; here the handlers submit the validated request and format the reply.
+is `openai_protocol`'s; here the handlers submit the validated request and format the reply. Validation,
+template rendering and tokenization run on the server's worker pool (`ServerState.offload`), never on the event
+loop, so a huge prompt does not stall other clients' streams.
 
 Every bad field is a 400 in OpenAI's error shape naming `param` (never a 500); the queue being full is a 429, a
 dead engine a 503. A request is aborted (its KV freed) when the client disconnects. If the engine shuts down
@@ -147,7 +149,8 @@ def _openai_call(call: ToolCall) -> dict:
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
-    chat = parse_chat(body, state.tokenizer, vocab_size=state.vocab_size, context=state.context)
+    chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
+                               allow_special_tokens=state.allow_special_tokens_in_content)  # fmt: skip
     handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if chat.stream:
@@ -179,7 +182,8 @@ def _legacy_logprobs(texts: TokenBytes, ids: Any, lps: Any, tops: Any, offset: i
 
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
-    req = parse_completion(body, state.tokenizer, vocab_size=state.vocab_size, context=state.context)
+    req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size,
+                              context=state.context)  # fmt: skip
     handle = common.submit(state.engine, req.prompt, req.params, busy_status=429)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip

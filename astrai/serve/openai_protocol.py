@@ -20,6 +20,10 @@ Chat completions accept:
 - rejected with a 400: `response_format` other than text (no guided decoding), `functions` / `function_call`
   (the deprecated API: use tools), `audio` / non-text `modalities`.
 
+Special-token text in chat messages (a user writing `<|im_end|>`) is encoded as plain text, so only the chat
+template makes control tokens (`astrai serve --allow-special-tokens-in-content` turns that off). A completions
+`prompt` is raw: it is the client's own template, so special-token text in it is encoded as special tokens.
+
 Completions accept `prompt` as a string or a list of token ids (a one-element list of either is unwrapped; a
 batch of several prompts is a 400: send one request each), `echo` (not with `logprobs`: prompt logprobs are not
 computed), `logprobs` as an int 0..20 (legacy shape with `text_offset`), `max_tokens` (default 16, as OpenAI),
@@ -140,8 +144,8 @@ def _sampling(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int
     )
     try:
         params.check(vocab_size)
-    except ValueError as err:  # the message starts with the field's name
-        field = str(err).split()[0]
+    except ValueError as err:  # EngineInputError: `param` names the field
+        field = getattr(err, "param", None)
         raise _bad(field if field in _PARAMS else None, str(err)) from None
     return params
 
@@ -281,14 +285,19 @@ class ChatRequest:
     prefill: str
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int) -> ChatRequest:
+def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
+               allow_special_tokens: bool = False) -> ChatRequest:  # fmt: skip
     """Validate a /v1/chat/completions body and render its prompt through the chat template.
+
+    Renders and tokenizes (seconds for a multi-megabyte body): handlers run it on the server's worker pool.
 
     Args:
         body: the request's JSON object.
         tokenizer: the served model's tokenizer (None: chat is refused).
         vocab_size: token ids (logit_bias keys) must be below it.
         context: tokens one sequence may hold, prompt and completion together.
+        allow_special_tokens: special-token text in the messages becomes control tokens (by default it is
+            encoded as plain text, see `Tokenizer.encode_chat`).
 
     Returns:
         The request with its prompt as token ids (template + tool-call pre-fill).
@@ -308,10 +317,10 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     if tokenizer is None:
         raise _bad(None, "the served model has no tokenizer: use /v1/completions with token ids")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=rendered or None, tokenize=False)
+        prompt = tokenizer.encode_chat(messages, tools=rendered or None, head=prefill,
+                                       special_tokens_in_content=allow_special_tokens)  # fmt: skip
     except (ValueError, TypeError) as err:
         raise _bad("messages", f"the chat template rejected the messages: {err}") from None
-    prompt = tokenizer.encode(text + prefill, add_special_tokens=False)
     top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not _flag(body, "logprobs"):
         raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
@@ -331,7 +340,7 @@ def _prompt_ids(tokenizer: Tokenizer | None, prompt: Any) -> tuple[list[int], st
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise _bad("prompt", "the served model has no tokenizer: send the prompt as token ids")
-        return tokenizer.encode(prompt), prompt
+        return tokenizer.encode_nogil(prompt), prompt  # special-token text stays special: the prompt is raw
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt), None
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):

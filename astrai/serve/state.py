@@ -6,8 +6,13 @@ they take the tokenizer and the limits they check as arguments.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
+from typing import Any
 
+import anyio
+import anyio.to_thread
 import attrs
 
 from astrai.inference.engine import Engine
@@ -24,8 +29,22 @@ class ServerState:
     metrics: Metrics = attrs.Factory(Metrics)
     created: int = attrs.Factory(lambda: int(time.time()))
     api_key: str | None = None
+    metrics_public: bool = False  # True: GET /metrics needs no API key even when one is set
     max_body_bytes: int = 8 << 20
     embeddings: EncoderConfig | None = None  # None: /v1/embeddings answers 404
+    tokenizer_workers: int = 4  # requests rendering chat templates / tokenizing at once, each on a worker thread
+    allow_special_tokens_in_content: bool = False  # True: special-token text in chat messages is control tokens
+    _tokenizing: anyio.CapacityLimiter = attrs.field(
+        init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
+    )
+
+    async def offload(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` run on a worker thread, at most `tokenizer_workers` at once (the rest queue).
+
+        For the heavy per-request host work (chat-template rendering, tokenization), so that the event loop keeps
+        streaming other replies meanwhile; `fn` should release the GIL where it can (`Tokenizer.encode_nogil`).
+        """
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._tokenizing)
 
     @property
     def tokenizer(self):

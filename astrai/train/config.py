@@ -77,7 +77,14 @@ class TrainConfig:
     fsdp: bool = False
     """Under torchrun: shard weights, gradients and AdamW state across ranks (ZeRO-3 with DTensor, FSDP2-style)."""
     resume: bool = False
-    """Continue from the newest checkpoint in out_dir (a run never overwrites checkpoints without it)."""
+    """Continue from the newest valid checkpoint in out_dir, falling back past corrupt ones with a warning (a
+    run never overwrites checkpoints without it); a run already at `steps` says so and does nothing."""
+    resume_from: Path | None = None
+    """Continue from exactly this checkpoint folder (implies resume; a corrupt one is an error, no fallback;
+    the run's newer checkpoints are renamed aside). Never saved in the run's config.json."""
+    stop_on_nonfinite: bool = True
+    """Stop with an error at the first NaN/inf loss or gradient norm (and refuse to checkpoint non-finite
+    weights), saving nothing of that step; False: log it and train on."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "keep_last", "eval_batches"):

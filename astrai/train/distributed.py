@@ -44,6 +44,11 @@ def setup(device: str | None = None) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
 
 
+def env_rank() -> int:
+    """This process's rank from torchrun's environment (0 outside torchrun); usable before `setup`."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in a world of one)."""
     if dist.is_available() and dist.is_initialized():

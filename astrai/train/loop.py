@@ -6,14 +6,23 @@ sample a global batch → accumulate micro-batch gradients → all-reduce → cl
 step's metrics → eval when due → checkpoint when due (the checkpoint holds the weights *after* that step, so
 resuming from step N replays exactly steps N+1...). SIGTERM/SIGINT finish the current step, save, and return.
 
+Resume picks the newest checkpoint that verifies against its manifest (`astrai.train.checkpoint`), warning
+about and setting aside newer corrupt ones, or exactly `TrainConfig.resume_from`; a run already at its last
+step returns at once. A NaN/inf loss or gradient norm (read on the host with the step's other metrics, so no
+sync is added to the step) or non-finite weights at a checkpoint raise `NonFiniteError` before anything of
+that step is saved (`TrainConfig.stop_on_nonfinite`).
+
 The base model is a `ModelConfig` (random init) or `TrainConfig.model` as a folder; resolving a name such as
 "tiny" to a `ModelConfig` is the caller's job (the CLI reads `configs/models.py`: the library never imports it).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +38,18 @@ from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, init_params
 from astrai.nn.lora import apply_lora, init_lora, merge_lora
 from astrai.train import distributed
-from astrai.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from astrai.train.checkpoint import (
+    MANIFEST,
+    Resumable,
+    checkpoint_dirs,
+    checkpoint_step,
+    latest_checkpoint,
+    newest_valid_checkpoint,
+    open_checkpoint,
+    save_checkpoint,
+    set_aside,
+    set_rng_state,
+)
 from astrai.train.config import TrainConfig, config_to_dict
 from astrai.train.data import TrainData, open_data
 from astrai.train.fsdp import full_tree, gather_tree, load_into_shards_, make_mesh, shard_tree
@@ -40,12 +60,28 @@ from astrai.train.progress import TrainProgress
 from astrai.train.schedule import lr_at
 from astrai.train.signals import StopRequest
 from astrai.train.step import StepOptions, TrainState, TrainStep, eval_sums, full_params, init_train_state
-from astrai.tree import from_named_tensors, named_tensors, to_device
+from astrai.tree import from_named_tensors, leaves, named_tensors, to_device
+
+_log = logging.getLogger("astrai.train")  # unconfigured, a warning prints as its bare message on stderr
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm, or the weights about to be checkpointed, are NaN or infinite."""
 
 
 @attrs.frozen
 class TrainResult:
-    """What a finished (or stopped) run produced."""
+    """What a finished (or stopped) run produced.
+
+    Attributes:
+        run_dir: the run folder.
+        model_dir: the final model (None when stopped early).
+        steps: the step reached.
+        stopped_early: a signal stopped the run before its last step.
+        final_loss: the last step's train loss (None when no step ran).
+        eval_loss: the last eval loss (None without eval data or when no step ran).
+        already_finished: `resume` found the run at its last step with its final model: nothing was done.
+    """
 
     run_dir: Path
     model_dir: Path | None
@@ -53,6 +89,7 @@ class TrainResult:
     stopped_early: bool
     final_loss: float | None
     eval_loss: float | None
+    already_finished: bool = False
 
 
 def _base_model(
@@ -130,6 +167,9 @@ class _Run:
     def save_checkpoint(self) -> None:
         # sharded weights and moments are gathered on every rank (a collective), then rank 0 writes them
         model = self.model() if self.lora_cfg is None and (self.dist.is_main or self.sharded) else None
+        # the same verdict on every rank: replicas are identical, and sharded runs check the gathered model
+        if self.cfg.stop_on_nonfinite and not _all_finite(model.params if self.sharded else self.state.trainable):
+            raise NonFiniteError(_nonfinite_message(self, "the updated weights are not finite"))
         optimizer = adamw_state_dict(full_tree(self.state.opt) if self.sharded else self.state.opt)
         if self.dist.is_main:
 
@@ -154,8 +194,9 @@ class _Run:
             )
         distributed.barrier()
 
-    def resume(self, path: Path) -> None:
-        state, optimizer, rng = load_checkpoint(path)
+    def resume(self, found: Resumable) -> None:
+        """Load checkpoint `found` (weights read in full before anything is replaced)."""
+        path, state, optimizer = found.path, found.state, found.optimizer
         if self.lora_cfg is not None:
             lora, _ = load_lora(path / "model", self.base)
             weights = named_tensors(lora)
@@ -169,7 +210,7 @@ class _Run:
             opt = load_adamw_state(self.state.opt, optimizer)
             self.state = TrainState(trainable=self.state.trainable, opt=to_device(opt, self.device))
         self.data.sampler.load_state_dict(state["sampler"])
-        set_rng_state(rng)
+        set_rng_state(found.rng)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
     # ---- eval ---------------------------------------------------------------------------------------------
@@ -194,6 +235,43 @@ def _micro_batches(run: _Run, batches: Iterator[list[LMBatch]]) -> list[LMBatch]
     return [to_device(mb, run.device) for mb in next(batches)]
 
 
+def _all_finite(tree: Any) -> bool:
+    return bool(torch.stack([torch.isfinite(x).all() for x in leaves(tree)]).all())
+
+
+def _nonfinite_message(run: _Run, what: str) -> str:
+    last = latest_checkpoint(run.run_dir)
+    where = f"the last good checkpoint is {last}" if last is not None else "no checkpoint was saved before it"
+    return (
+        f"step {run.step}: {what}; stopped without saving this step ({where}). Resume with --resume, e.g. with a "
+        "lower --optim.lr or --max-grad-norm, or pass --no-stop-on-nonfinite to train on regardless"
+    )
+
+
+def _resume_point(cfg: TrainConfig) -> Resumable | None:
+    """The checkpoint to resume from, None for a fresh run; refuses to start over checkpoints without resume."""
+    if cfg.resume_from is not None:  # exactly this one: no fallback
+        found = open_checkpoint(cfg.resume_from)
+    elif cfg.resume:
+        found = newest_valid_checkpoint(cfg.out_dir, warn=_warn)
+    else:
+        previous = latest_checkpoint(cfg.out_dir)
+        if previous is not None:
+            raise ValueError(
+                f"{cfg.out_dir} already has checkpoints (newest: {previous.name}); pass --resume to continue it "
+                "or choose another --out-dir"
+            )
+        return None
+    if found is not None and not found.verified:
+        _warn(f"warning: {found.path} has no {MANIFEST} (saved before checksums): resuming without verifying it")
+    return found
+
+
+def _warn(message: str) -> None:
+    if distributed.env_rank() == 0:
+        _log.warning(message)
+
+
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None) -> TrainResult:
     """Run (or resume) training as configured; returns where the results are. Rank 0 writes all files.
 
@@ -202,54 +280,75 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None) -> TrainResult
         model_cfg: the base model's shape for a random init (`cfg.model` is then only its name, kept in the
             run's config.json; vocabulary and eos follow `cfg.tokenizer` when one is given). None: `cfg.model`
             is a model folder to fine-tune. The CLI resolves names from `configs/models.py` to a ModelConfig.
+
+    Raises:
+        CheckpointError: resuming, no checkpoint is valid (or `cfg.resume_from` is not).
+        NonFiniteError: a step diverged (`cfg.stop_on_nonfinite`); nothing of that step was saved.
     """
-    run_dir = Path(cfg.out_dir)
-    previous = latest_checkpoint(run_dir)
-    if previous is not None and not cfg.resume:
-        raise ValueError(
-            f"{run_dir} already has checkpoints (newest: {previous.name}); pass --resume to continue it "
-            "or choose another --out-dir"
-        )
-    run = _Run(cfg, model_cfg)
+    found = _resume_point(cfg)
+    final_dir = Path(cfg.out_dir) / "model"
+    if found is not None and found.step >= cfg.steps and final_dir.is_dir():
+        return TrainResult(Path(cfg.out_dir), final_dir.resolve(), found.step, False, None, None, already_finished=True)
+    run = _Run(attrs.evolve(cfg, resume_from=None), model_cfg)  # the run's saved config never pins a checkpoint
     try:
-        return _train(run, previous if cfg.resume else None)
+        return _train(run, found)
     finally:
         distributed.teardown()
 
 
-def _train(run: _Run, previous: Path | None) -> TrainResult:
+def _set_aside_newer(run: _Run, found: Resumable) -> None:
+    """Rename the run's checkpoints newer than the resumed one (corrupt, or abandoned by `resume_from`)."""
+    distributed.barrier()  # every rank has read the checkpoint before rank 0 renames folders
+    if not run.dist.is_main:
+        return
+    for path in checkpoint_dirs(run.run_dir):
+        if checkpoint_step(path) > found.step:
+            moved = set_aside(path, "corrupt" if path in found.skipped else "abandoned")
+            _warn(f"warning: {path} is newer than the resumed step {found.step}: set aside as {moved.name}")
+
+
+def _step(run: _Run, batches: Iterator[list[LMBatch]]) -> dict[str, Any]:
+    """One optimiser step; its metrics as host numbers (the step's only sync, shared by logging and checks)."""
+    t0 = time.perf_counter()
+    micro = _micro_batches(run, batches)
+    lr = lr_at(run.schedule, run.cfg.optim.lr, run.step)
+    metrics = run.step_fn(run.state, micro, lr, run.frozen)
+    run.step += 1
+    values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
+    run.tokens_seen += int(values.pop("tokens"))
+    values["lr"] = lr
+    values["tok_s"] = sum(mb.tokens.numel() for mb in micro) * run.dist.world_size / (time.perf_counter() - t0)
+    return values
+
+
+def _train(run: _Run, found: Resumable | None) -> TrainResult:
     cfg, main = run.cfg, run.dist.is_main
-    if previous is not None:
-        run.resume(previous)
+    if found is not None:
+        run.resume(found)
+        _set_aside_newer(run, found)
     if main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run.run_dir / "config.json", config_to_dict(cfg))
-    log = MetricsLog(run.run_dir / "metrics.jsonl", resume_step=run.step) if main else None
+    log_cm = MetricsLog(run.run_dir / "metrics.jsonl", resume_step=run.step) if main else nullcontext()
     batches = run.data.train_batches(cfg.batch_size, cfg.grad_accum)
     last_loss = last_eval = None
     stopped = False
-    with StopRequest() as stop, TrainProgress(cfg.steps, start=run.step, enabled=main) as progress:
+    with log_cm as log, StopRequest() as stop, TrainProgress(cfg.steps, start=run.step, enabled=main) as progress:
         while run.step < cfg.steps:
-            t0 = time.perf_counter()
-            micro = _micro_batches(run, batches)
-            lr = lr_at(run.schedule, cfg.optim.lr, run.step)
-            metrics = run.step_fn(run.state, micro, lr, run.frozen)
-            run.step += 1
-            values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
-            run.tokens_seen += int(values.pop("tokens"))
-            values["lr"] = lr
-            values["tok_s"] = sum(mb.tokens.numel() for mb in micro) * run.dist.world_size / (time.perf_counter() - t0)
+            values = _step(run, batches)
             last_loss = values["loss"]
             if log is not None:
                 log.log("train", run.step, values)
             progress.update(run.step, values)
+            if cfg.stop_on_nonfinite and not (math.isfinite(last_loss) and math.isfinite(values["grad_norm"])):
+                raise NonFiniteError(_nonfinite_message(run, f"loss {last_loss}, grad norm {values['grad_norm']}"))
             if cfg.eval_every and run.step % cfg.eval_every == 0 or run.step == cfg.steps:
                 last_eval = run.eval_loss()
                 if last_eval is not None:
                     progress.note(f"step {run.step}: eval loss {last_eval:.4f}")
                     if log is not None:
                         log.log("eval", run.step, {"loss": last_eval})
-            stop_now = stop.requested
+            stop_now = stop.requested and run.step < cfg.steps  # at the last step the run just finishes
             if stop_now or run.step == cfg.steps or (cfg.save_every and run.step % cfg.save_every == 0):
                 run.save_checkpoint()
             if stop_now:
@@ -260,7 +359,6 @@ def _train(run: _Run, previous: Path | None) -> TrainResult:
     final = run.model() if not stopped and (main or run.sharded) else None  # collective when sharded
     if main:
         if log is not None:
-            log.close()
             loss_curve_png(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
         if final is not None:
             model_dir = save(final, run.run_dir / "model")

@@ -54,6 +54,15 @@ def test_serve_smoke_reports_json(tmp_path):
     assert report["client"] == "separate process" and all(r["output_tok_s"] > 0 for r in report["results"])
 
 
+def test_soak_smoke_reports_json(tmp_path):
+    """bench_soak: streams, disconnects and bad requests mixed; 0 server errors and every KV page free after."""
+    report = _smoke("bench_soak.py", tmp_path, timeout=300)
+    assert report["ok"] and report["server_errors"] == 0 and report["final_request_ok"]
+    assert report["kv"]["used_after"] == 0 and report["kv"]["free_after_reset"] == report["kv"]["pages_total"]
+    by = {row["action"]: row for row in report["actions"]}
+    assert by["stream"]["ok"] > 0 and by["bad"]["4xx"] > 0 and by["bad"]["5xx"] == 0
+
+
 def test_moe_smoke_reports_json(tmp_path):
     """bench_moe: the logits check passed, every variant and shape has a positive rate, the KV table is filled."""
     report = _smoke("bench_moe.py", tmp_path, timeout=600)

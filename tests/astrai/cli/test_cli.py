@@ -80,8 +80,8 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
-    # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
-    assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in out, out
+    # a requested stop that shut down cleanly is a success: status 0 (uvicorn alone re-raises SIGTERM: -15)
+    assert proc.returncode == 0 and "Application shutdown complete" in out, out
 
 
 def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkeypatch, capsys):

@@ -9,6 +9,7 @@ import torch
 
 import astrai
 from astrai.inference.engine import Engine, EngineBusyError, EngineConfig
+from astrai.inference.errors import EngineInputError
 from astrai.inference.graphs import GraphCaptureError
 from astrai.inference.params import SamplingParams
 from helpers import DEVICE, save_hf, tiny_hf_model, tiny_model_dir
@@ -192,14 +193,20 @@ def test_stop_strings_and_eos_through_the_tokenizer(tmp_path):
 def test_bad_requests_are_rejected_with_clear_errors(pair):
     _, model = pair
     with Engine(model, EngineConfig(compile=False, max_waiting=2)) as engine:
-        with pytest.raises(ValueError, match="500 tokens and max_tokens is 20: 520 tokens, more than the model's"):
-            engine.submit([1] * 500, SamplingParams(max_tokens=20))
-        with pytest.raises(ValueError, match="empty"):
-            engine.submit([], SamplingParams())
-        with pytest.raises(ValueError, match=r"outside \[0, 256\)"):
-            engine.submit([1, 300], SamplingParams())
-        with pytest.raises(ValueError, match="temperature"):
-            engine.submit([1, 2], SamplingParams(temperature=-1))
+        # each error is an EngineInputError (a ValueError) naming the request field at fault in `param`
+        for prompt, params, message, param in [
+            ([1] * 500, SamplingParams(max_tokens=20), "500 tokens and max_tokens is 20: 520 tokens, more than the",
+             "max_tokens"),
+            ([], SamplingParams(), "empty", "prompt"),
+            ([1, 300], SamplingParams(), r"outside \[0, 256\)", "prompt"),
+            ([1, 2], SamplingParams(temperature=-1), "temperature", "temperature"),
+            ([1, 2], SamplingParams(stop_token_ids=(999,)), "stop_token_ids", "stop_token_ids"),
+            ([1, 2], SamplingParams(n=3), r"n=3 is more sequences than the engine's whole waiting queue "
+             r"\(max_waiting=2\)", "n"),
+        ]:  # fmt: skip
+            with pytest.raises(EngineInputError, match=message) as info:
+                engine.submit(prompt, params)
+            assert info.value.param == param
         with engine._cv:  # hold the engine thread so the queue fills
             engine.submit([1, 2], SamplingParams(max_tokens=2))
             engine.submit([1, 2], SamplingParams(max_tokens=2))
@@ -298,6 +305,42 @@ def test_failed_graph_capture_names_the_way_out(pair, monkeypatch):
         monkeypatch.setattr(graphs, "_capture", out_of_memory)
         with pytest.raises(GraphCaptureError, match=r"batch 4 failed.*lower kv_memory_fraction.*cuda_graphs=False"):
             graphs.capture_all([1, 2, 4])
+
+
+def test_admission_counts_sequences_not_requests(pair):
+    """Issue 18: an n > 1 request takes n places of max_waiting; it is busy only while those places are taken."""
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, max_waiting=4, kv_budget_tokens=512)) as engine:
+        with engine._cv:  # hold the engine thread so nothing leaves the queue
+            handles = [engine.submit([1, 2], SamplingParams(max_tokens=2, n=3))]
+            with pytest.raises(EngineBusyError, match="3 sequences are already waiting .* no room for n=2"):
+                engine.submit([1, 2], SamplingParams(max_tokens=2, n=2))
+            handles.append(engine.submit([1, 2], SamplingParams(max_tokens=2)))  # the fourth place
+            assert engine.stats().waiting == 4
+            with pytest.raises(EngineBusyError):
+                engine.submit([1, 2], SamplingParams(max_tokens=2))
+        assert [len(h.result().outputs) for h in handles] == [3, 1]
+        handles = [engine.submit([1, 2], SamplingParams(max_tokens=2, n=4))]  # the whole queue, once it is free
+        assert len(handles[0].result().outputs) == 4
+        _assert_idle_and_clean(engine)
+
+
+def test_underflowing_sampling_values_are_greedy_or_named(pair, prompts, reference):
+    """Issue 18: temperatures 1e-39 / 1e-45 are 0 or subnormal in float32 (they drew token 0 forever); now they are
+    greedy, with transformers' greedy tokens and logprobs that agree; repetition_penalty 5e-324 is refused."""
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=2048)) as engine:
+        for t in (1e-39, 1e-45):
+            params = SamplingParams(max_tokens=NEW, temperature=t, ignore_eos=True, top_logprobs=1)
+            outs = [c.outputs[0] for c in engine.generate(prompts[:3], params)]
+            assert [list(o.token_ids) for o in outs] == reference[:3]
+            for o in outs:  # the chosen token is the raw top-1 (no penalties here), and its logprob too
+                assert [top[0][0] for top in o.top_logprobs] == list(o.token_ids)
+                assert list(o.logprobs) == pytest.approx([top[0][1] for top in o.top_logprobs])
+        with pytest.raises(EngineInputError, match=r"repetition_penalty must be \[1e-06, 1000000.0\], got 5e-324") as e:
+            engine.submit(prompts[0], SamplingParams(repetition_penalty=5e-324))
+        assert e.value.param == "repetition_penalty"
+        _assert_idle_and_clean(engine)
 
 
 def test_repetition_penalty_matches_transformers_generate(pair, prompts, reference):

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from astrai.inference.params import SamplingParams
+from astrai.inference.errors import EngineInputError
+from astrai.inference.params import SAMPLING_EPS, SamplingParams
 
 
 def test_defaults_and_edge_values_are_valid():
@@ -53,11 +54,36 @@ def test_defaults_and_edge_values_are_valid():
         ("min_tokens", -1),
         ("min_tokens", 17),  # > max_tokens (16)
         ("max_tokens", True),
+        # float32 underflow / overflow (issue 18): these became 0, subnormal or inf on the device -> NaN logits
+        ("temperature", 1e39),
+        ("top_p", 1e-300),
+        ("min_p", 5e-324),
+        ("frequency_penalty", 1e-45),
+        ("presence_penalty", -1e-40),
+        ("repetition_penalty", 5e-324),
+        ("repetition_penalty", 1e-7),
+        ("repetition_penalty", 1e7),
+        ("logit_bias", {5: 1e-40}),
     ],
 )
 def test_bad_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(EngineInputError, match=field) as info:
         SamplingParams(**{field: value}).check(vocab_size=100)
+    assert isinstance(info.value, ValueError) and info.value.param == field
+
+
+@pytest.mark.parametrize("t", [0.0, 5e-324, 1e-45, 1e-39, 1e-20, SAMPLING_EPS / 2])
+def test_temperatures_below_the_epsilon_are_greedy_not_errors(t):
+    p = SamplingParams(temperature=t)
+    p.check(vocab_size=100)
+    assert p.greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
+def test_float32_edge_values_are_accepted():
+    SamplingParams(repetition_penalty=1e-6, top_p=2.0**-126, min_p=2.0**-126, frequency_penalty=-(2.0**-126),
+                   logit_bias={1: 2.0**-126}).check(vocab_size=100)  # fmt: skip
+    SamplingParams(repetition_penalty=1e6, temperature=3e38).check(vocab_size=100)
 
 
 def test_api_style_inputs_are_converted():

@@ -18,6 +18,7 @@ from astrai.inference.noise import exponential_noise
 from astrai.inference.params import SamplingParams
 from astrai.inference.sampler import penalize_logits, process_logits, sample
 from astrai.inference.sampling_batch import make_sampling_batch
+from astrai.tree import replace
 from helpers import assert_close
 
 P = SamplingParams
@@ -292,3 +293,46 @@ def test_noise_and_tokens_are_the_same_on_cuda():
     on_gpu = make_sampling_batch(MIXED, seeds=list(range(len(MIXED))), steps=[0] * len(MIXED), vocab_size=300,
                                  device="cuda", outputs=[[4]] * len(MIXED))  # fmt: skip
     assert torch.equal(sample(logits.cuda(), on_gpu).tokens.cpu(), sample(logits, batch).tokens)
+
+
+def _adversarial_case():
+    """Rows whose settings or logits used to make NaN (issue 18); returns (logits, batch, raw-argmax fallback)."""
+    vocab, nan, inf = 32, float("nan"), float("inf")
+    logits = torch.randn(9, vocab) * 3
+    logits[5, 7] = nan  # the model produced a NaN entry (sampled row)
+    logits[6] = -inf  # nothing is possible: the defined answer is token 0
+    logits[8, 2] = nan  # a NaN entry in a greedy row
+    params = [P(temperature=1.0)] * 4 + [P(temperature=1.0, repetition_penalty=1.5)] + [P(temperature=1.0)] * 3
+    params += [P(temperature=0.0)]
+    top = int(logits[4].argmax())
+    batch = _batch(params, vocab, seeds=list(range(9)), prompts=[[]] * 4 + [[top, 1]] + [[]] * 4)
+    # values a client could send before validation existed, as float32 tensors: 1e-45 is subnormal, 5e-324 is 0
+    temperature = torch.tensor([1e-45, 1e-39, 5e-324, nan, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float32)
+    repetition = batch.repetition_penalty.clone()
+    repetition[4] = 5e-324  # 0 in float32: the seen positive logits / 0 = +inf
+    batch = replace(batch, temperature=temperature, repetition_penalty=repetition)
+    return logits, batch, logits.masked_fill(logits.isnan(), -inf).argmax(-1)
+
+
+def test_adversarial_rows_get_a_defined_token_never_argmax_of_nan():
+    logits, batch, raw = _adversarial_case()
+    out = sample(logits, batch, top_logprobs=1)
+    # rows 0-2: tiny temperatures are greedy; 3-6, 8: no valid processed choice -> raw argmax (row 6: token 0)
+    fallback = [0, 1, 2, 3, 4, 5, 6, 8]
+    assert out.tokens[fallback].tolist() == raw[fallback].tolist() and out.tokens[6] == 0
+    # greedy choices agree with their logprobs (the bug reported a top-1 that contradicted the choice)
+    assert torch.equal(out.tokens[:3], out.top_ids[:3, 0]) and torch.equal(out.logprobs[:3], out.top_logprobs[:3, 0])
+    # a healthy row in the same batch samples exactly as it does alone
+    alone = make_sampling_batch([P(temperature=1.0)], seeds=[7], steps=[0], vocab_size=32, device="cpu")
+    assert out.tokens[7] == sample(logits[7:8], alone).tokens[0]
+    # process_logits keeps one token (the argmax) for the tiny-temperature rows
+    kept = ~process_logits(logits[:3], replace(_batch([P()] * 3, 32), temperature=batch.temperature[:3])).isinf()
+    assert kept.sum(-1).tolist() == [1, 1, 1] and torch.equal(kept.float().argmax(-1), raw[:3])
+
+
+def test_compiled_sample_keeps_the_nan_policy():
+    logits, batch, raw = _adversarial_case()
+    compiled = torch.compile(sample, fullgraph=True)
+    assert torch.equal(compiled(logits, batch, want_logprobs=True).tokens, sample(logits, batch).tokens)
+    # the all-greedy variant (no filters, no noise) falls back the same way: every row is its raw argmax
+    assert torch.equal(compiled(logits, replace(batch, all_greedy=True)).tokens, raw)

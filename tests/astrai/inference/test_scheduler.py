@@ -9,7 +9,7 @@ from astrai.inference.plan import SampledToken
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
 from astrai.inference.scheduler import Scheduler
-from astrai.inference.seq import Seq, Status
+from astrai.inference.seq import Seq, Status, split_n
 
 
 def _req(i, prompt, max_tokens=4):
@@ -131,6 +131,22 @@ def test_same_prompt_in_one_step_adopts_the_cached_pages():
     assert b.pages[:2] == sched.radix.cached_pages([100, 101]) and a.pages[:2] == b.pages[:2]
     _run(sched)  # 16 tokens in a 16-page pool: fits only without the duplicates
     assert b.outputs == [7] * 12 and sched.pool.num_used == sched.radix.num_cached_pages
+
+
+def test_preempted_n_leader_goes_back_ahead_of_its_followers():
+    """A preempted n > 1 leader re-queued behind a follower waiting at the head for its prefill deadlocked the
+    engine (found by benchmarks/bench_soak.py: the request and everything after it hung until the client left)."""
+    for page_size in (1, 2, 4):
+        for pages in range(24 // page_size + 1, 30):  # every pool the engine accepts these requests for
+            sched = _sched(pages=pages, page_size=page_size, running=3, budget=16, max_len=64)
+            a = _req(0, range(10, 18), max_tokens=12)
+            b = split_n(list(range(30, 38)), SamplingParams(max_tokens=8, n=3), "b", 5, 1, frozenset())
+            c = _req(2, range(50, 56), max_tokens=6)
+            sched.add([a])
+            sched.add(b)
+            sched.add([c])
+            _run(sched)
+            assert all(s.finish_reason == "length" for s in [a, *b, c]), (page_size, pages)
 
 
 @settings(max_examples=300, deadline=None)

@@ -85,7 +85,7 @@ def test_text_reply_ids_usage_and_prompt(server, client, submitted):
     assert reply.usage.input_tokens == len(expected_prompt)
     assert reply.usage.output_tokens == len(server.tokenizer.encode("hello world", add_special_tokens=False)) + 1
     assert submitted[0].params.temperature == 1.0  # Anthropic's default
-    metrics = httpx.get(f"{server.base_url}/metrics").text
+    metrics = httpx.get(f"{server.base_url}/metrics", headers=HEADERS).text
     assert 'astrai_requests_total{endpoint="/v1/messages",status="200"}' in metrics
 
 

@@ -129,7 +129,7 @@ def test_dimensions_through_the_sdk(client):
 
 def test_requests_and_tokens_are_counted(live, client):
     client.embeddings.create(input=[[1, 2, 3]], model=MODEL, encoding_format="float")
-    text = httpx.get(live[1] + "/metrics").text
+    text = httpx.get(live[1] + "/metrics", headers=HEADERS).text
     assert 'astrai_requests_total{endpoint="/v1/embeddings",status="200"}' in text
     tokens = next(line for line in text.splitlines() if line.startswith("astrai_embedding_tokens_total "))
     assert int(tokens.split()[1]) >= 3

@@ -44,9 +44,9 @@ def test_body_limit_is_413_in_the_api_shape(server):
 
 def test_metrics_count_requests_tokens_and_latency(server):
     body = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-    before = httpx.get(f"{server.base_url}/metrics").text
+    before = httpx.get(f"{server.base_url}/metrics", headers=AUTH).text
     assert httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=AUTH).status_code == 200
-    text = httpx.get(f"{server.base_url}/metrics").text
+    text = httpx.get(f"{server.base_url}/metrics", headers=AUTH).text
 
     def value(metrics: str, name: str) -> float:
         line = next((ln for ln in metrics.splitlines() if ln.startswith(name + " ")), f"{name} 0")
