@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, CompletionOutput, Delta
-from astrai.inference.seq import Seq
+from astrai.inference.seq import Seq, Status
 from astrai.inference.stop import StopStringMatcher
 from astrai.io.tokenizer import Tokenizer
 
@@ -75,35 +75,31 @@ class RequestDelivery:
         self.handle, self.seqs, self.submitted = handle, seqs, submitted
         self.texts = [SeqText(seq, tokenizer) for seq in seqs]
 
-    @property
-    def finished(self) -> bool:
-        """Whether every sequence has ended (the completion is due)."""
-        return all(seq.finished for seq in self.seqs)
-
-    def deliver(self, finish: Callable[[Seq, str], None]) -> None:
+    def deliver(self, finish: Callable[[Seq, str], None]) -> bool:
         """Send the deltas of the tokens sampled since the last call; `finish(seq, "stop")` ends a sequence whose
-        stop string completed (the scheduler's `finish`)."""
+        stop string completed (the scheduler's `finish`). Returns whether every sequence has now ended (the
+        completion is due)."""
+        all_done = True
         for seq, out in zip(self.seqs, self.texts, strict=True):
             if out.done:
                 continue
             text, new, first = out.advance()
             if out.stopped and seq.finish_reason != "stop":
                 finish(seq, "stop")
-            out.done = seq.finished
-            if new or text or out.done:
-                self.handle.put(self._delta(seq, text, new, first))
-
-    @staticmethod
-    def _delta(seq: Seq, text: str, new: list[int], first: int) -> Delta:
-        wants_logprobs = bool(seq.params.logprobs or seq.params.top_logprobs)
-        return Delta(
-            index=seq.index,
-            text=text,
-            token_ids=tuple(new),
-            logprobs=tuple(seq.logprobs[first:]) if wants_logprobs else None,
-            top_logprobs=tuple(tuple(t) for t in seq.top_logprobs[first:]) if seq.params.top_logprobs else None,
-            finish_reason=seq.finish_reason if seq.finished else None,
-        )
+            out.done = seq.status is Status.FINISHED
+            all_done = all_done and out.done
+            if not (new or text or out.done):
+                continue
+            params = seq.params
+            self.handle.put(Delta(
+                index=seq.index,
+                text=text,
+                token_ids=tuple(new),
+                logprobs=tuple(seq.logprobs[first:]) if params.logprobs or params.top_logprobs else None,
+                top_logprobs=tuple(tuple(t) for t in seq.top_logprobs[first:]) if params.top_logprobs else None,
+                finish_reason=seq.finish_reason if out.done else None,
+            ))  # fmt: skip
+        return all_done
 
     def end_unfinished_streams(self) -> None:
         """After an abort: the final (empty) delta of every sequence whose stream is still open."""

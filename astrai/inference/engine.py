@@ -346,8 +346,7 @@ class Engine:
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
-            tracked.deliver(self.scheduler.finish)
-            if tracked.finished:
+            if tracked.deliver(self.scheduler.finish):
                 self._tracked.pop(request_id).complete(request_id)
 
     def _abort_now(self, request_id: str) -> None:

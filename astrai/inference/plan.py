@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import attrs
 
 from astrai.inference.seq import Seq
@@ -21,9 +23,9 @@ class ScheduledSeq:
     sample: bool
 
 
-@attrs.frozen
-class SampledToken:
-    """The token a step drew for one sequence.
+class SampledToken(NamedTuple):
+    """The token a step drew for one sequence (a NamedTuple: one is built per sampled row per step, and a
+    frozen attrs class costs several times more to construct on that hot path).
 
     Attributes:
         token: the chosen id.

@@ -200,13 +200,13 @@ class Scheduler:
             self.stats.prefill_tokens += max(0, min(seq.num_computed, len(seq.prompt)) - max(before, 0))
             if not item.sample:
                 continue
-            drawn = sampled[i]
+            token, logprob, top = sampled[i]  # a SampledToken (unpacked: the per-row hot path)
             self.stats.decode_tokens += 1
-            seq.outputs.append(drawn.token)
-            if drawn.logprob is not None:
-                seq.logprobs.append(drawn.logprob)
-            if drawn.top_logprobs is not None:
-                seq.top_logprobs.append(drawn.top_logprobs)
+            seq.outputs.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
             reason = seq.check_stop()
             if reason is not None:
                 self.finish(seq, reason)
