@@ -334,6 +334,12 @@ class Engine:
             self._abort_now(request_id)
         plan = self.scheduler.schedule()
         if not plan:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing runs and the queue's head cannot be admitted: no later step can change that, so fail
+                # every request loudly (EngineDeadError) instead of spinning on empty steps forever
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(f"the scheduler cannot admit request {head.id} (sequence {head.index}) with "
+                                   f"nothing running: {self.pool.num_free} free KV pages")  # fmt: skip
             return
         start = time.perf_counter()
         sampled = self.runner.execute(plan, vocab_size=self.model.config.vocab_size)

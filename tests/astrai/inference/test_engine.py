@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import astrai
-from astrai.inference.engine import Engine, EngineBusyError, EngineConfig
+from astrai.inference.engine import Engine, EngineBusyError, EngineConfig, EngineDeadError
 from astrai.inference.errors import EngineInputError
 from astrai.inference.graphs import GraphCaptureError
 from astrai.inference.params import SamplingParams
@@ -292,6 +292,19 @@ def test_foreground_abort_before_any_step_never_runs_the_request(pair, prompts):
         assert done.outputs[0].finish_reason == "abort" and done.outputs[0].token_ids == ()
         assert not engine.step()
         _assert_idle_and_clean(engine)
+
+
+def test_a_stalled_scheduler_fails_requests_instead_of_spinning(pair, prompts, monkeypatch):
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, background=False)) as engine:
+        monkeypatch.setattr(engine.scheduler, "_admit", lambda budget: [])  # a bug that never admits anything
+        handle = engine.submit(prompts[0], GREEDY)
+        with pytest.raises(RuntimeError, match="cannot admit request"):
+            handle.result()  # before: step() returned True forever with an empty plan
+        with pytest.raises(EngineDeadError, match="cannot admit request"):
+            handle.result()  # the request was failed, not left waiting
+        with pytest.raises(EngineDeadError):
+            engine.submit(prompts[1], GREEDY)
 
 
 def test_failed_graph_capture_names_the_way_out(pair, monkeypatch):
