@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import sys
 
+import attrs
 import tyro
 
 from astrai.cli import chat, generate, info, preprocess, quickstart, serve
 from astrai.cli import train as train_cli
+
+
+@attrs.frozen
+class TrainCommand:
+    """Train or resume a run: `astrai train RECIPE|RUN_DIR [--field value ...]` (`astrai train --help`)."""
+
 
 COMMANDS = {
     "info": (info.InfoConfig, info.main),
@@ -16,6 +23,8 @@ COMMANDS = {
     "serve": (serve.ServeConfig, serve.main),
     "preprocess": (preprocess.PreprocessConfig, preprocess.main),
     "quickstart": (quickstart.QuickstartConfig, quickstart.main),
+    # listed for `astrai --help` only: `main` hands `astrai train ...` to astrai.cli.train before tyro parses
+    "train": (TrainCommand, None),
 }
 
 

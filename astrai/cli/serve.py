@@ -7,6 +7,7 @@ serves `POST /v1/embeddings` (`--embed-pooling mean|cls|last`, `--no-embed-norma
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -27,7 +28,8 @@ class ServeConfig:
     port: int = 8000
     """TCP port."""
     api_key: str | None = None
-    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes and GET /metrics."""
+    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes and GET /metrics. Default: the
+    ASTRAI_API_KEY environment variable (which, unlike a flag, `ps` does not show); unset means no key."""
     metrics_public: bool = False
     """Serve GET /metrics without the API key (a scraper can also send it: `authorization` in its config)."""
     served_model_name: str | None = None
@@ -95,7 +97,8 @@ def main(cfg: ServeConfig) -> None:
             fail(str(err))
     name = cfg.served_model_name or cfg.model.resolve().name
     embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
-    app = build_app(engine, model_name=name, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+    api_key = cfg.api_key or os.environ.get("ASTRAI_API_KEY") or None
+    app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=cfg.max_body_bytes,
                     embeddings=embeddings, body_timeout=cfg.body_timeout,
                     allowed_hosts=cfg.allowed_hosts or None, metrics_public=cfg.metrics_public,
                     tokenizer_workers=cfg.tokenizer_workers,

@@ -54,6 +54,23 @@ class Model:
         """Bytes held by the parameters."""
         return nbytes(self.params)
 
+    def __repr__(self) -> str:
+        """One line (family, size, dtype, device, tokenizer): the default attrs repr printed every tensor."""
+        cfg = self.config
+        family = getattr(cfg, "model_type", None) or type(cfg).__name__
+        return (f"Model({family}, {cfg.num_hidden_layers} layers, {_human(self.num_parameters, 1000, ['', 'K', 'M', 'B'])} "
+                f"parameters, {str(self.dtype).removeprefix('torch.')}, {self.device}, "
+                f"{_human(self.nbytes, 1024, [' B', ' KiB', ' MiB', ' GiB'])}, "
+                f"tokenizer={'yes' if self.tokenizer is not None else 'no'})")  # fmt: skip
+
+
+def _human(n: int, base: int, units: list[str]) -> str:
+    """`n` in the largest unit it reaches, one decimal past the first (1234567, 1000, ["", "K", "M"] -> "1.2M")."""
+    value, i = float(n), 0
+    while value >= base and i + 1 < len(units):
+        value, i = value / base, i + 1
+    return f"{value:.1f}{units[i]}" if i else f"{n}{units[0]}"
+
 
 def _eos_ids(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     if tokenizer is not None:

@@ -24,6 +24,22 @@ def test_info_shows_config_and_counts(model_dir, capsys):
     assert f"{model.num_parameters:,}" in out
 
 
+def test_help_lists_every_subcommand_train_included(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("info", "generate", "chat", "serve", "preprocess", "quickstart", "train"):
+        assert f"• {name}" in out, out
+    assert "Train or resume a run" in out
+
+
+def test_model_repr_is_one_short_line(model_dir):
+    text = repr(astrai.load(model_dir))
+    assert len(text) < 150 and "\n" not in text, text  # the attrs default printed every tensor (23k characters)
+    assert text.startswith("Model(qwen3, 2 layers,") and "K parameters" in text and "float32, cpu" in text
+
+
 def test_generate_streams_the_greedy_completion(model_dir, capsys):
     main(["generate", "--model", model_dir, "--prompt", "hello world", "--max-tokens", "12"])
     out = capsys.readouterr().out
@@ -51,6 +67,39 @@ def test_bad_folder_is_one_line_error_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_takes_the_api_key_from_the_environment(model_dir):
+    import os
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ASTRAI_API_KEY": "from-env"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "astrai.cli.main", "serve", "--model", model_dir, "--port", str(port),
+         "--no-compile", "--no-cuda-graphs"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url).status_code == 401  # the key is required although no flag named it
+        assert httpx.get(url, headers={"Authorization": "Bearer from-env"}).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert "from-env" not in out  # never logged
 
 
 def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
