@@ -31,8 +31,10 @@ def run_guarded(fn: Callable[[], T]) -> T:
         fail(str(err) if not isinstance(err, KeyError) else f"missing key {err}")
 
 
-def load_model(path: Path, dtype: str | None = None, device: str | None = None):
-    """`astrai.load` with a friendly error on bad input."""
-    from astrai.io.model import load
+def load_model(path: Path, dtype: str | None = None, device: str = "auto"):
+    """`astrai.load` with a friendly error on bad input; says which device it chose (`auto`: CUDA if present)."""
+    from astrai.io.model import load, resolve_device
 
-    return run_guarded(lambda: load(path, dtype=dtype, device=device))
+    chosen = resolve_device(device)
+    console.print(f"device: {chosen}" + (" (auto)" if device == "auto" else ""), highlight=False)
+    return run_guarded(lambda: load(path, dtype=dtype, device=chosen))

@@ -34,8 +34,8 @@ class ChatConfig:
     """Seed for reproducible sampling."""
     dtype: str | None = None
     """Parameter dtype; default: the checkpoint's."""
-    device: str | None = None
-    """Device, e.g. cuda or cpu; default cpu."""
+    device: str = "auto"
+    """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
     compile: bool = False
     """torch.compile the decode step (faster replies after a one-off compile)."""
 

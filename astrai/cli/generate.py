@@ -33,8 +33,8 @@ class GenerateConfig:
     """Seed for reproducible sampling."""
     dtype: str | None = None
     """Parameter dtype (float32, bfloat16, float16); default: the checkpoint's."""
-    device: str | None = None
-    """Device, e.g. cuda or cpu; default cpu."""
+    device: str = "auto"
+    """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
     compile: bool = False
     """torch.compile the decode step (faster decode after a one-off compile of tens of seconds on CPU)."""
 

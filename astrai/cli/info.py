@@ -55,7 +55,7 @@ def parameter_table(params) -> Table:
 
 def main(cfg: InfoConfig) -> None:
     """Print the model's config and parameter breakdown."""
-    model = load_model(cfg.model)
+    model = load_model(cfg.model, device="cpu")  # describing a model needs no GPU
     table = Table(title=f"{cfg.model}")
     table.add_column("field")
     table.add_column("value")

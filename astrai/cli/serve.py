@@ -62,8 +62,8 @@ class ServeConfig:
     """Encode special-token text in chat messages (`<|im_end|>`) as control tokens, not as plain text."""
     dtype: str | None = None
     """Parameter dtype (float32, bfloat16, float16); default: the checkpoint's."""
-    device: str | None = None
-    """Device, e.g. cuda; default cpu."""
+    device: str = "auto"
+    """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
     compile: bool = True
     """torch.compile the decode step (first requests wait for the compile)."""
     cuda_graphs: bool = True

@@ -58,10 +58,12 @@ class Model:
         """One line (family, size, dtype, device, tokenizer): the default attrs repr printed every tensor."""
         cfg = self.config
         family = getattr(cfg, "model_type", None) or type(cfg).__name__
-        return (f"Model({family}, {cfg.num_hidden_layers} layers, {_human(self.num_parameters, 1000, ['', 'K', 'M', 'B'])} "
-                f"parameters, {str(self.dtype).removeprefix('torch.')}, {self.device}, "
-                f"{_human(self.nbytes, 1024, [' B', ' KiB', ' MiB', ' GiB'])}, "
-                f"tokenizer={'yes' if self.tokenizer is not None else 'no'})")  # fmt: skip
+        size = _human(self.num_parameters, 1000, ["", "K", "M", "B"])
+        memory = _human(self.nbytes, 1024, [" B", " KiB", " MiB", " GiB"])
+        dtype = str(self.dtype).removeprefix("torch.")
+        tokenizer = "yes" if self.tokenizer is not None else "no"
+        return (f"Model({family}, {cfg.num_hidden_layers} layers, {size} parameters, {dtype}, {self.device}, "
+                f"{memory}, tokenizer={tokenizer})")  # fmt: skip
 
 
 def _human(n: int, base: int, units: list[str]) -> str:
@@ -84,13 +86,20 @@ def _eos_ids(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> tup
     return tuple(dict.fromkeys(ids))
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device | str | None:
+    """`device`, with "auto" resolved: CUDA when torch sees a GPU, else CPU (None stays None: the CPU default)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device
+
+
 def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> Model:
     """Load a HF-format folder (config.json + safetensors [+ tokenizer files]).
 
     Args:
         path: the model folder.
         dtype: parameter dtype (torch dtype or name such as "bfloat16"); default: the checkpoint's.
-        device: where to put the parameters; default CPU.
+        device: where to put the parameters; default CPU; "auto": CUDA when available, else CPU.
 
     Raises:
         CheckpointError: the folder is missing, unsupported, incomplete or corrupt (the message says which).
@@ -106,7 +115,7 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
-    params = load_params(folder, cfg, dtype=dtype, device=device)
+    params = load_params(folder, cfg, dtype=dtype, device=resolve_device(device))
     if dtype is not None:
         cfg = attrs.evolve(cfg, dtype=next(name for name, d in DTYPES.items() if d == dtype))
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import astrai
 from astrai.cli.main import main
@@ -32,6 +33,15 @@ def test_help_lists_every_subcommand_train_included(capsys):
     for name in ("info", "generate", "chat", "serve", "preprocess", "quickstart", "train"):
         assert f"• {name}" in out, out
     assert "Train or resume a run" in out
+
+
+def test_device_defaults_to_auto_and_is_printed(model_dir, capsys):
+    main(["generate", "--model", model_dir, "--prompt", "hi", "--max-tokens", "2"])
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"device: {expected} (auto)" in capsys.readouterr().out
+    main(["generate", "--model", model_dir, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu"])
+    assert "device: cpu\n" in capsys.readouterr().out
+    assert astrai.load(model_dir, device="auto").device.type == expected
 
 
 def test_model_repr_is_one_short_line(model_dir):
