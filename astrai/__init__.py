@@ -1,20 +1,31 @@
 """astrai: a hackable, functional-style LLM stack in plain PyTorch.
 
 Models are pure functions over attrs parameter trees; see SPEC §1 for the public API.
+
+Besides the re-exports, one thing runs here: in a source checkout used without installing (`PYTHONPATH=.`, the
+GPU check scripts), the repo's top-level folders triton_kernels/, cuda_ref/, configs/ and quickstart/ become
+importable as `astrai.triton_kernels` and so on, the names pyproject's package-dir gives them in an install
+(docs/architecture.md). An installed astrai has no pyproject.toml beside it, so nothing changes there.
 """
 
-from astrai.api import embed as embed
-from astrai.api import embed_ids as embed_ids
-from astrai.api import forward as forward
-from astrai.inference.generate import generate as generate
-from astrai.inference.generate import generate_ids as generate_ids
-from astrai.io.errors import CheckpointError as CheckpointError
-from astrai.io.errors import UnsupportedModelError as UnsupportedModelError
-from astrai.io.model import Model as Model
-from astrai.io.model import load as load
-from astrai.io.model import save as save
-from astrai.io.tokenizer import Tokenizer as Tokenizer
-from astrai.models.config import ModelConfig as ModelConfig
-from astrai.models.decoder import init_params as init_params
+from pathlib import Path as _Path
+
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "triton_kernels" / "__init__.py").is_file():
+    __path__.append(str(_checkout))  # noqa: F821 (a package's __path__): astrai.<folder> -> <checkout>/<folder>
+
+from astrai.api import embed as embed  # noqa: E402
+from astrai.api import embed_ids as embed_ids  # noqa: E402
+from astrai.api import forward as forward  # noqa: E402
+from astrai.inference.generate import generate as generate  # noqa: E402
+from astrai.inference.generate import generate_ids as generate_ids  # noqa: E402
+from astrai.io.errors import CheckpointError as CheckpointError  # noqa: E402
+from astrai.io.errors import UnsupportedModelError as UnsupportedModelError  # noqa: E402
+from astrai.io.model import Model as Model  # noqa: E402
+from astrai.io.model import load as load  # noqa: E402
+from astrai.io.model import save as save  # noqa: E402
+from astrai.io.tokenizer import Tokenizer as Tokenizer  # noqa: E402
+from astrai.models.config import ModelConfig as ModelConfig  # noqa: E402
+from astrai.models.decoder import init_params as init_params  # noqa: E402
 
 __version__ = "0.1.0"

@@ -14,6 +14,8 @@ for by name), and every package folder of the repo is in that list.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -194,6 +196,26 @@ def test_nothing_imports_the_folder_names():
                     names = [node.module or ""]
                 found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in bare]
     assert found == []
+
+
+_NO_INSTALL = """
+import sys
+# forget the editable install's import hook: import astrai the way `PYTHONPATH=.` in a fresh checkout does
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (type(f).__name__ + str(f)).lower()]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in str(h).lower()]
+sys.path_importer_cache.clear()
+sys.path.insert(0, sys.argv[1])
+import astrai.triton_kernels.rotary, astrai.configs.models, astrai.quickstart.task
+from astrai import cuda_ref
+print(astrai.triton_kernels.rotary.__file__)
+"""
+
+
+def test_a_source_checkout_imports_without_installing():
+    # the GPU check scripts run from the working tree with PYTHONPATH=. and no install
+    proc = subprocess.run([sys.executable, "-c", _NO_INSTALL, str(ROOT)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(ROOT / "triton_kernels" / "rotary.py")
 
 
 @pytest.fixture(scope="module")
