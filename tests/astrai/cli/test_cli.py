@@ -1,9 +1,14 @@
 """`astrai info / generate / chat` on a saved tiny model, and friendly errors instead of tracebacks."""
 
 import io
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -79,68 +84,52 @@ def test_bad_folder_is_one_line_error_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_serve_takes_the_api_key_from_the_environment(model_dir):
-    import os
-    import signal
-    import socket
-    import time
+class _ServeProcess:
+    """`astrai serve` in a subprocess on a free port, waited for until /health answers; SIGTERM on exit.
 
-    import httpx
+    After the `with` block, `out` holds its output and `returncode` its exit status.
+    """
 
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "ASTRAI_API_KEY": "from-env"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "astrai.cli.main", "serve", "--model", model_dir, "--port", str(port),
-         "--no-compile", "--no-cuda-graphs"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    try:
+    def __init__(self, model_dir, *flags: str, env: dict[str, str] | None = None) -> None:
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "astrai.cli.main", "serve", "--model", str(model_dir), "--port",
+                     str(self.port), "--no-compile", "--no-cuda-graphs", *flags]  # fmt: skip
+        self.env, self.out, self.returncode = env, "", None
+
+    def __enter__(self) -> "_ServeProcess":
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env)  # fmt: skip
         for _ in range(300):
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}/v1/models"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.out, _ = self.proc.communicate(timeout=30)
+        self.returncode = self.proc.returncode
+
+
+def test_serve_takes_the_api_key_from_the_environment(model_dir):
+    with _ServeProcess(model_dir, env={**os.environ, "ASTRAI_API_KEY": "from-env"}) as server:
+        url = f"{server.base_url}/v1/models"
         assert httpx.get(url).status_code == 401  # the key is required although no flag named it
         assert httpx.get(url, headers={"Authorization": "Bearer from-env"}).status_code == 200
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    assert "from-env" not in out  # never logged
+    assert "from-env" not in server.out  # never logged
 
 
 def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
-    import signal
-    import socket
-    import time
-
-    import httpx
-
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "astrai.cli.main", "serve", "--model", model_dir, "--port", str(port),
-         "--no-compile", "--no-cuda-graphs", "--served-model-name", "cli-model", "--api-key", "k"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k"})
+    with _ServeProcess(model_dir, "--served-model-name", "cli-model", "--api-key", "k") as server:
+        models = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": "Bearer k"})
         assert models.json()["data"][0]["id"] == "cli-model"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
     # a requested stop that shut down cleanly is a success: status 0 (uvicorn alone re-raises SIGTERM: -15)
-    assert proc.returncode == 0 and "Application shutdown complete" in out, out
+    assert server.returncode == 0 and "Application shutdown complete" in server.out, server.out
 
 
 def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkeypatch, capsys):
