@@ -1,4 +1,4 @@
-"""`astrai chat --model DIR`: a multi-turn terminal chat through the model's chat template.
+"""`astrai chat MODEL`: a multi-turn terminal chat through the model's chat template (or `--chat-template`).
 
 Type a message and press enter; `/reset` clears the history, `/exit` (or end of input) quits.
 """
@@ -6,22 +6,18 @@ Type a message and press enter; `/reset` clears the history, `/exit` (or end of 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import attrs
-import tyro
 
-from astrai.cli._common import console, fail, load_model, run_guarded
-from astrai.cli.generate import make_engine, stream_text
+from astrai.cli._common import ModelArgs, console, fail, interactive_engine, load_model, parse, run_guarded
+from astrai.cli.generate import stream_text
 from astrai.inference.params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)
-class ChatConfig:
+class ChatConfig(ModelArgs):
     """Chat with a local model in the terminal."""
 
-    model: Path
-    """HF-format model folder with a chat template."""
     system: str | None = None
     """Optional system prompt."""
     max_tokens: int = 256
@@ -30,25 +26,19 @@ class ChatConfig:
     """0 for greedy decoding."""
     top_p: float = 0.95
     """Nucleus mass (1: off)."""
-    seed: int | None = None
-    """Seed for reproducible sampling."""
-    dtype: str | None = None
-    """Parameter dtype; default: the checkpoint's."""
-    device: str = "auto"
-    """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
     compile: bool = False
     """torch.compile the decode step (faster replies after a one-off compile)."""
 
 
 def main(cfg: ChatConfig) -> None:
     """Read user turns from stdin and stream the model's replies."""
-    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    model = load_model(cfg)
     if model.tokenizer is None or model.tokenizer.chat_template is None:
-        fail(f"{cfg.model} has no tokenizer chat template; use `astrai generate` for plain completion")
+        fail(f"{cfg.model} has no tokenizer chat template; pass --chat-template or use `astrai generate`")
     history: list[dict] = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     console.print("[dim]astrai chat: /reset clears the history, /exit quits[/]")
-    with make_engine(model, cfg.compile) as engine:
+    with interactive_engine(model, cfg, compile=cfg.compile) as engine:
         while True:
             console.print("[bold green]you>[/] ", end="")
             line = sys.stdin.readline()
@@ -66,4 +56,4 @@ def main(cfg: ChatConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(ChatConfig))
+    main(parse(ChatConfig, prog="astrai chat"))

@@ -1,22 +1,18 @@
-"""`astrai generate --model DIR --prompt TEXT`: complete one prompt, streaming text to the terminal."""
+"""`astrai generate MODEL --prompt TEXT`: complete one prompt, streaming text to the terminal."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import attrs
-import tyro
 
-from astrai.cli._common import console, fail, load_model, run_guarded
+from astrai.cli._common import ModelArgs, console, fail, interactive_engine, load_model, parse, run_guarded
 
 
 @attrs.frozen(kw_only=True)
-class GenerateConfig:
+class GenerateConfig(ModelArgs):
     """Complete a prompt with a local model."""
 
-    model: Path
-    """HF-format model folder."""
     prompt: str
     """Text to complete."""
     chat: bool = False
@@ -29,12 +25,6 @@ class GenerateConfig:
     """Sample from the k most likely tokens (0: off)."""
     top_p: float = 1.0
     """Nucleus mass (1: off)."""
-    seed: int | None = None
-    """Seed for reproducible sampling."""
-    dtype: str | None = None
-    """Parameter dtype (float32, bfloat16, float16); default: the checkpoint's."""
-    device: str = "auto"
-    """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
     compile: bool = False
     """torch.compile the decode step (faster decode after a one-off compile of tens of seconds on CPU)."""
 
@@ -50,31 +40,23 @@ def stream_text(engine, prompt_ids: list[int], params) -> str:
     return text
 
 
-def make_engine(model, compile: bool):
-    """A small engine for interactive use (a 1-sequence batch)."""
-    from astrai.inference.engine import Engine, EngineConfig
-
-    return Engine(model, EngineConfig(max_running=4, compile=compile, kv_budget_bytes=256 << 20))
-
-
 def main(cfg: GenerateConfig) -> None:
     """Load the model and stream a completion."""
-    model = load_model(cfg.model, cfg.dtype, cfg.device)
+    model = load_model(cfg)
     if model.tokenizer is None:
         fail(f"{cfg.model} has no tokenizer.json; astrai generate needs a tokenizer")
     tok = model.tokenizer
     if cfg.chat:
         ids = run_guarded(lambda: tok.apply_chat_template([{"role": "user", "content": cfg.prompt}], tokenize=True))
     else:
-        ids = tok.encode(cfg.prompt)
+        ids = tok.encode_prompt(cfg.prompt)
     console.print(f"[dim]{len(ids)} prompt tokens[/]")
     from astrai.inference.params import SamplingParams
 
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                            seed=cfg.seed)  # fmt: skip
-    with make_engine(model, cfg.compile) as engine:
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    with interactive_engine(model, cfg, compile=cfg.compile) as engine:
         run_guarded(lambda: stream_text(engine, ids, params))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(GenerateConfig))
+    main(parse(GenerateConfig, prog="astrai generate"))

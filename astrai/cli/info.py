@@ -1,24 +1,24 @@
-"""`astrai info --model DIR`: config, parameter counts by component, dtype and bytes, as rich tables."""
+"""`astrai info MODEL`: config, parameter counts by component, dtype and bytes, as rich tables."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import attrs
-import tyro
 from rich.table import Table
 
-from astrai.cli._common import console, load_model
+from astrai.cli._common import ModelArgs, ModelName, console, load_model, parse
 from astrai.tree import named_tensors
 
 
 @attrs.frozen(kw_only=True)
 class InfoConfig:
-    """Describe a model folder."""
+    """Show a model's config, parameter counts, dtype and size."""
 
-    model: Path
-    """HF-format model folder (config.json + safetensors)."""
+    model: ModelName
+    """Model folder (HF format) or Hugging Face model id found in the local HF cache (`--model MODEL` works too)."""
+    revision: str | None = None
+    """Branch, tag or commit of a Hugging Face model id (unset: main)."""
 
 
 def _component(name: str) -> str:
@@ -55,7 +55,7 @@ def parameter_table(params) -> Table:
 
 def main(cfg: InfoConfig) -> None:
     """Print the model's config and parameter breakdown."""
-    model = load_model(cfg.model, device="cpu")  # describing a model needs no GPU
+    model = load_model(ModelArgs(model=cfg.model, revision=cfg.revision, device="cpu"))  # describing needs no GPU
     table = Table(title=f"{cfg.model}")
     table.add_column("field")
     table.add_column("value")
@@ -69,4 +69,4 @@ def main(cfg: InfoConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(InfoConfig))
+    main(parse(InfoConfig, prog="astrai info"))

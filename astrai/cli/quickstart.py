@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import attrs
 import tyro
 
 from astrai.cli._common import console, run_guarded
 from astrai.cli.train import resolve_model
-from astrai.quickstart.run import QuickstartSettings as QuickstartConfig
-from astrai.quickstart.run import run_quickstart
+from astrai.quickstart.run import QuickstartSettings, run_quickstart
 
 __all__ = ["QuickstartConfig", "main"]
+
+
+@attrs.frozen(kw_only=True)
+class QuickstartConfig(QuickstartSettings):
+    """Train and evaluate a small chat model on CPU in minutes."""
 
 
 def main(cfg: QuickstartConfig) -> None:

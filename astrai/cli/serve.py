@@ -1,48 +1,64 @@
-"""`astrai serve --model DIR`: an OpenAI- and Anthropic-compatible HTTP server on uvicorn.
+"""`astrai serve MODEL`: an OpenAI- and Anthropic-compatible HTTP server on uvicorn, with vLLM's flag names.
 
-Binds 127.0.0.1 by default. SIGINT/SIGTERM stop accepting connections, let in-flight requests finish for up to
+MODEL is a folder or a Hugging Face model id in the local HF cache (`--model MODEL` works too). Binds 127.0.0.1
+by default. SIGINT/SIGTERM stop accepting connections, let in-flight requests finish for up to
 `--graceful-timeout` seconds, then end the rest (finish_reason "abort") and free their KV. `--embeddings` also
-serves `POST /v1/embeddings` (`--embed-pooling mean|cls|last`, `--no-embed-normalize`).
+serves `POST /v1/embeddings` (`--embed-pooling mean|cls|last`, `--no-embed-normalize`). Older astrai spellings
+stay as aliases (`--max-running` for `--max-num-seqs`, `--max-step-tokens` for `--max-num-batched-tokens`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import attrs
 import tyro
 
-from astrai.cli._common import console, fail, load_model, run_guarded
+from astrai.cli._common import ModelArgs, console, fail, load_model, parse, run_guarded, served_name
+
+if TYPE_CHECKING:
+    from astrai.io.model import Model
+
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 @attrs.frozen(kw_only=True)
-class ServeConfig:
-    """Serve a model over HTTP."""
+class ServeConfig(ModelArgs):
+    """Serve a model over HTTP (OpenAI and Anthropic APIs)."""
 
-    model: Path
-    """HF-format model folder."""
     host: str = "127.0.0.1"
     """Interface to bind (0.0.0.0 exposes the server to the network)."""
     port: int = 8000
     """TCP port."""
     api_key: str | None = None
-    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes and GET /metrics. Default: the
-    ASTRAI_API_KEY environment variable (which, unlike a flag, `ps` does not show); unset means no key."""
+    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes and GET /metrics.
+    Default: the ASTRAI_API_KEY environment variable (which, unlike a flag, `ps` does not show); unset: no key."""
     metrics_public: bool = False
     """Serve GET /metrics without the API key (a scraper can also send it: `authorization` in its config)."""
     served_model_name: str | None = None
-    """Model id reported by /v1/models and in responses (default: the folder name)."""
-    max_running: int = 64
+    """Model id reported by /v1/models and in responses (default: the folder name, or the model id)."""
+    max_num_seqs: Annotated[int, tyro.conf.arg(aliases=("--max-running",))] = 64
     """Most sequences decoding at once."""
+    max_num_batched_tokens: Annotated[int, tyro.conf.arg(aliases=("--max-step-tokens",))] = 2048
+    """Tokens one engine step may process (decodes + prefill chunks); smaller means finer chunked prefill."""
     max_waiting: int = 256
-    """Most queued sequences (a request with n completions takes n) before the server answers 429 (OpenAI) / 529
-    (Anthropic)."""
+    """Most queued sequences (n completions take n); more are answered 429 (OpenAI) / 529 (Anthropic)."""
+    gpu_memory_utilization: float | None = None
+    """CUDA: fraction (0, 1] of the GPU's total memory for weights, KV cache and activations (vLLM's meaning).
+    Default: the KV cache takes 85% of the memory left free after loading the weights. Ignored on CPU."""
     kv_budget: int | None = None
-    """KV pool size in tokens (default: a share of free memory on CUDA, 1 GiB on CPU)."""
+    """KV cache size in tokens, overriding --gpu-memory-utilization (default: sized from memory; CPU: 1 GiB)."""
     page_size: int = 16
     """Tokens per KV page."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (radix tree)."""
+    generation_config: str = "auto"
+    """Sampling defaults for requests that leave a field unset (temperature, top_p, top_k, min_p, ...).
+    auto: the model's generation_config.json; none or vllm: no defaults; a folder: its generation_config.json."""
     max_body_bytes: int = 8 << 20
     """Largest accepted request body (counted as it arrives, chunked or not: 413 past it)."""
     body_timeout: float = 60.0
@@ -54,22 +70,31 @@ class ServeConfig:
     max_connections: int = 512
     """Most open connections, streams included (more are answered 503 and closed)."""
     allowed_hosts: tuple[str, ...] = ()
-    """Host header names accepted besides localhost/127.0.0.1/[::1] ("*": any). Unset: requests arriving on a
-    loopback address must name a loopback host (DNS rebinding), others may name any."""
+    """Host header names accepted besides localhost/127.0.0.1/[::1] ("*": any).
+    Unset: requests arriving on a loopback address must name a loopback host (DNS rebinding), others may name any."""
+    allowed_origins: tuple[str, ...] = ()
+    """CORS: browser origins allowed to call the API (http://localhost:3000, or "*": any).
+    vLLM's JSON list ('["http://a"]') works too. Unset: no CORS headers at all (vLLM's default is "*")."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    """CORS: methods allowed for the --allowed-origins."""
+    allowed_headers: tuple[str, ...] = ("*",)
+    """CORS: request headers allowed for the --allowed-origins."""
+    allow_credentials: bool = False
+    """CORS: allow credentials (cookies, Authorization) from the --allowed-origins."""
     tokenizer_workers: int = 4
     """Threads that render chat templates and tokenize prompts, off the event loop (more requests queue)."""
     allow_special_tokens_in_content: bool = False
     """Encode special-token text in chat messages (`<|im_end|>`) as control tokens, not as plain text."""
-    dtype: str | None = None
-    """Parameter dtype (float32, bfloat16, float16); default: the checkpoint's."""
-    device: str = "auto"
-    """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
     compile: bool = True
     """torch.compile the decode step (first requests wait for the compile)."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from CUDA graphs, captured for every batch bucket at start (dense models)."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
+    log_level: Annotated[LogLevel, tyro.conf.arg(aliases=("--uvicorn-log-level",), metavar="LEVEL")] = "info"
+    """Log level of uvicorn and astrai's loggers: debug, info, warning, error or critical."""
+    enable_log_requests: bool = False
+    """Log each request's prompt text (a debug aid: request logs otherwise never carry prompts or the API key)."""
     embeddings: bool = False
     """Also serve POST /v1/embeddings: the model's blocks run bidirectionally, pooled per input."""
     embed_pooling: Literal["mean", "cls", "last"] = "mean"
@@ -78,39 +103,91 @@ class ServeConfig:
     """L2-normalise embeddings (cosine similarity becomes a dot product)."""
 
 
+def origin_list(values: tuple[str, ...]) -> tuple[str, ...]:
+    """`--allowed-origins`-style values, each a plain entry or (as vLLM takes them) a JSON list of entries."""
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{value!r} is not a JSON list: {err}") from None
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise ValueError(f"{value!r} must be a JSON list of strings")
+            out += items
+        else:
+            out.append(value)
+    return tuple(out)
+
+
+def sampling_defaults(choice: str, model: Model) -> dict[str, Any]:
+    """The request defaults `--generation-config` asks for (SamplingParams names -> values)."""
+    from astrai.io.model import read_generation_defaults
+
+    if choice == "auto":
+        return dict(model.generation_defaults)
+    if choice in ("none", "vllm"):
+        return {}
+    folder = Path(choice).expanduser()
+    if not (folder / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {choice!r}: expected auto, none, vllm or a folder with a "
+                         "generation_config.json")  # fmt: skip
+    return read_generation_defaults(folder)
+
+
+def engine_config(cfg: ServeConfig):
+    """The EngineConfig the flags ask for."""
+    from astrai.inference.engine import EngineConfig
+
+    return EngineConfig(max_running=cfg.max_num_seqs, max_step_tokens=cfg.max_num_batched_tokens,
+                        max_waiting=cfg.max_waiting, max_model_len=cfg.max_model_len,
+                        kv_budget_tokens=cfg.kv_budget, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                        page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
+                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+
+
 def main(cfg: ServeConfig) -> None:
     """Load the model, build the app and run uvicorn until interrupted."""
-    from astrai.inference.engine import Engine, EngineConfig
+    from astrai.inference.engine import Engine
     from astrai.inference.graphs import GraphCaptureError
     from astrai.models.encoder import EncoderConfig
     from astrai.serve.app import build_app
-    from astrai.serve.server import ConnectionLimits, GracefulServer, server_config
+    from astrai.serve.server import ConnectionLimits, GracefulServer, logging_config, server_config, with_cors
 
-    model = load_model(cfg.model, cfg.dtype, cfg.device)
-    engine_cfg = EngineConfig(max_running=cfg.max_running, max_waiting=cfg.max_waiting, kv_budget_tokens=cfg.kv_budget,
-                              page_size=cfg.page_size, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+    origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
+    engine_cfg = run_guarded(lambda: engine_config(cfg))
+    model = load_model(cfg)
+    defaults = run_guarded(lambda: sampling_defaults(cfg.generation_config, model))
     # on CUDA the start compiles the decode step and captures its graphs: seconds to minutes for large models
     with console.status("starting the engine (KV pool; on CUDA: compiling and capturing the decode graphs)"):
         try:
             engine = run_guarded(lambda: Engine(model, engine_cfg))
         except GraphCaptureError as err:
             fail(str(err))
-    name = cfg.served_model_name or cfg.model.resolve().name
+    kv_tokens = engine.stats().kv_pages_total * engine_cfg.page_size
+    console.print(f"KV cache: {kv_tokens:,} tokens; max model len {engine.max_model_len:,}; "
+                  f"up to {engine_cfg.max_running} sequences", highlight=False)  # fmt: skip
+    if defaults:
+        console.print(f"sampling defaults ({cfg.generation_config}): {defaults}", highlight=False)
+    name = cfg.served_model_name or served_name(cfg.model)
     embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
     api_key = cfg.api_key or os.environ.get("ASTRAI_API_KEY") or None
     app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=cfg.max_body_bytes,
                     embeddings=embeddings, body_timeout=cfg.body_timeout,
                     allowed_hosts=cfg.allowed_hosts or None, metrics_public=cfg.metrics_public,
                     tokenizer_workers=cfg.tokenizer_workers,
-                    allow_special_tokens_in_content=cfg.allow_special_tokens_in_content)  # fmt: skip
+                    allow_special_tokens_in_content=cfg.allow_special_tokens_in_content,
+                    log_requests=cfg.enable_log_requests, sampling_defaults=defaults)  # fmt: skip
+    app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
+                    credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""
     console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{cfg.port}/v1  (OpenAI and Anthropic APIs{extra})")
     limits = ConnectionLimits(header_timeout=cfg.header_timeout, keep_alive_timeout=cfg.keep_alive_timeout,
                               max_connections=cfg.max_connections)  # fmt: skip
     config = server_config(app, limits, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout,
-                           log_level="info")  # fmt: skip
+                           log_level=cfg.log_level, log_config=logging_config(cfg.log_level))  # fmt: skip
     GracefulServer(config, engine).run()
 
 
 if __name__ == "__main__":
-    main(tyro.cli(ServeConfig))
+    main(parse(ServeConfig, prog="astrai serve"))

@@ -51,17 +51,22 @@ def cli(args: list[str]) -> None:
 
 
 def resolve_model(model: str) -> ModelConfig | None:
-    """The `ModelConfig` of a named config in `configs/models.py`, or None when `model` is a model folder.
+    """The `ModelConfig` of a named config in `configs/models.py`, or None when `model` is a model folder or a
+    Hugging Face model id in the local cache (`astrai.io.hub.resolve_model`).
 
     Raises:
-        ValueError: `model` is neither (the message lists the names).
+        ValueError: `model` is none of these (the message lists the names).
     """
     from astrai.configs.models import NAMED
+    from astrai.io.hub import resolve_model as resolve_checkpoint
 
     if model in NAMED:
         return NAMED[model]()
-    if not Path(model).is_dir():
-        raise ValueError(f"model {model!r} is neither a named config ({', '.join(sorted(NAMED))}) nor a folder")
+    try:
+        resolve_checkpoint(model)
+    except ValueError as err:
+        raise ValueError(f"model {model!r} is neither a named config ({', '.join(sorted(NAMED))}) nor a folder "
+                         f"or cached model id ({err})") from None  # fmt: skip
     return None
 
 

@@ -31,6 +31,7 @@ from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import Scheduler
 from astrai.inference.seq import split_n
 from astrai.io.model import Model
+from astrai.models.config import ModelConfig
 from astrai.ops.attention import pages_needed
 
 
@@ -51,7 +52,13 @@ class EngineConfig:
     kv_budget_tokens: int | None = None
     """KV pool size in tokens; None sizes it from kv_memory_fraction (CUDA) or kv_budget_bytes (CPU)."""
     kv_memory_fraction: float = 0.85
-    """CUDA: share of the free device memory (after loading the weights) given to the KV pool."""
+    """CUDA: share of the free device memory (after loading the weights) given to the KV pool; unused when
+    gpu_memory_utilization is set."""
+    gpu_memory_utilization: float | None = None
+    """CUDA, vLLM's meaning: the fraction (0, 1] of the device's *total* memory this process may use for weights,
+    KV pool and activations together. The KV pool gets `utilization * total - torch's reserved memory (the
+    weights) - activation_headroom`, never more than the free memory less that headroom
+    (`kv_budget_for_utilization`). None: size the pool with kv_memory_fraction. Ignored on CPU."""
     kv_budget_bytes: int = 1 << 30
     """CPU: bytes of KV pool when kv_budget_tokens is None."""
     max_running: int = 64
@@ -76,6 +83,52 @@ class EngineConfig:
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
     `LLM`; on CPU that is faster, because OpenMP spins less in a second thread's worker pool."""
+
+    def __attrs_post_init__(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+
+
+ACTIVATION_FIXED_BYTES = 512 << 20
+"""Part of the activation headroom that does not scale with the model: the CUDA context, cuBLAS workspaces,
+CUDA-graph pools and compile scratch."""
+
+
+def activation_headroom(cfg: ModelConfig, dtype: torch.dtype, *, max_step_tokens: int, max_running: int) -> int:
+    """Bytes kept free beside the weights and the KV pool for one step's activations (an estimate, not a profile).
+
+    A step of `max_step_tokens` tokens holds a few hidden-size rows and the MLP's gate/up/activation rows per
+    token; the sampler holds a few float32 `[max_running, vocab]` logit copies; plus ACTIVATION_FIXED_BYTES.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    per_token = (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * item
+    logits = 4 * max_running * cfg.vocab_size * 4
+    return max_step_tokens * per_token + logits + ACTIVATION_FIXED_BYTES
+
+
+def kv_budget_for_utilization(utilization: float, *, total: int, free: int, in_use: int, headroom: int) -> int:
+    """KV pool bytes under vLLM's `gpu_memory_utilization`: `min(utilization * total - in_use, free) - headroom`.
+
+    Args:
+        utilization: fraction of the device's total memory the process may use.
+        total, free: the device's total and currently free bytes (`torch.cuda.mem_get_info`).
+        in_use: bytes this process already holds (torch's reserved memory: the weights).
+        headroom: bytes left for activations (`activation_headroom`).
+
+    Raises:
+        ValueError: nothing is left for the KV pool (the message gives the numbers and what to change).
+    """
+    budget = min(int(utilization * total) - in_use, free) - headroom
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"no memory left for the KV cache: gpu_memory_utilization {utilization} of {total / gib:.1f} GiB is "
+            f"{utilization * total / gib:.1f} GiB, the weights already hold {in_use / gib:.1f} GiB, "
+            f"{free / gib:.1f} GiB is free and activations need about {headroom / gib:.1f} GiB; raise "
+            "gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
+        )
+    return budget
 
 
 @attrs.frozen(kw_only=True)
@@ -128,8 +181,16 @@ class Engine:
         cfg, per_token = self.config, kv_bytes_per_token(self.model.config, self.model.dtype)
         tokens = cfg.kv_budget_tokens
         if tokens is None:
-            if self.model.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.model.device)
+            device = self.model.device
+            if device.type == "cuda" and cfg.gpu_memory_utilization is not None:
+                free, total = torch.cuda.mem_get_info(device)
+                steps = {"max_step_tokens": cfg.max_step_tokens, "max_running": cfg.max_running}
+                headroom = activation_headroom(self.model.config, self.model.dtype, **steps)
+                in_use = torch.cuda.memory_reserved(device)
+                util = cfg.gpu_memory_utilization
+                budget = kv_budget_for_utilization(util, total=total, free=free, in_use=in_use, headroom=headroom)
+            elif device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
                 budget = int(free * cfg.kv_memory_fraction)
             else:
                 budget = cfg.kv_budget_bytes
@@ -187,7 +248,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.model.tokenizer is None:
                 raise EngineInputError("this model has no tokenizer: pass token ids", param="prompt")
-            return self.model.tokenizer.encode(prompt)
+            return self.model.tokenizer.encode_prompt(prompt)  # rendered template text keeps one BOS
         return [int(t) for t in prompt]
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:

@@ -2,6 +2,14 @@
 
 For serving, keep one `Engine` alive instead (it compiles its decode step once and shares KV across requests).
 Prompts are never truncated: a prompt plus `max_tokens` beyond the model's context is rejected with both numbers.
+
+Text prompts are encoded by `Tokenizer.encode_prompt`: the tokenizer's post-processor runs (a leading BOS where the
+model has one), except that a prompt whose text already opens with the BOS token (chat-template output of Llama-3-style
+templates, which render `<|begin_of_text|>` themselves) does not get a second one. transformers
+(`tokenizer(text)`) and vLLM's completions (`add_special_tokens` true by default) would add it; a doubled BOS is
+never what was meant, and it changes the model's output. `astrai.chat` (`astrai.inference.chat`) renders the
+template and encodes it without the post-processor, as transformers' `apply_chat_template(tokenize=True)` and
+vLLM's chat route do.
 """
 
 from __future__ import annotations
@@ -17,13 +25,28 @@ from astrai.ops.attention import pages_needed
 PAGE_SIZE = 16
 
 
-def _run(model: Model, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> list[Completion]:
-    if not prompts:
-        raise ValueError("no prompts given")
+def _prompt_ids(
+    model: Model, prompts: str | Sequence[str | Sequence[int]], add_special_tokens: bool
+) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
-    lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
-    budget = sum(pages_needed(n + params.max_tokens, PAGE_SIZE) * PAGE_SIZE for n in lengths) * params.n
+    if not prompts:
+        raise ValueError("no prompts given")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            out.append(model.tokenizer.encode_prompt(p, add_special_tokens=add_special_tokens))
+        else:
+            out.append([int(t) for t in p])
+    return out
+
+
+def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    if not prompts:
+        raise ValueError("no prompts given")
+    budget = sum(pages_needed(len(p) + params.max_tokens, PAGE_SIZE) * PAGE_SIZE for p in prompts) * params.n
     config = EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=budget, max_running=len(prompts) * params.n,
                           max_step_tokens=max(2048, len(prompts) * params.n), compile=False,
                           background=False)  # fmt: skip
@@ -40,10 +63,14 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     stop_token_ids: Sequence[int] | None = None,
+    add_special_tokens: bool = True,
 ) -> list[str]:
     """Complete each prompt (text or token ids); returns the generated text per prompt.
+
+    For a conversation, `astrai.chat` applies the model's chat template; passing template text rendered by hand
+    (`model.tokenizer.apply_chat_template(messages)`) here gives the same ids: see `Tokenizer.encode_prompt`.
 
     Args:
         model: a loaded model with a tokenizer.
@@ -53,13 +80,19 @@ def generate(
         top_k: keep the k most likely tokens (0: off).
         top_p: nucleus mass (1: off).
         seed: seed of the sampling noise (reproducible output).
-        stop: stop strings (the text ends before them).
+        stop: a stop string or several (the text ends before them).
         stop_token_ids: ids that end a completion; None means the model's eos ids.
+        add_special_tokens: text prompts: run the tokenizer's post-processor (a leading BOS), never doubling a
+            BOS the text already starts with (`Tokenizer.encode_prompt`); False: encode the text as it is.
+
+    Returns:
+        the completion text per prompt (special tokens left out), in prompt order; a single string prompt gives
+        a one-element list.
     """
     if model.tokenizer is None:
         raise ValueError("this model has no tokenizer: use generate_ids with token-id prompts")
     params = _params(max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids)
-    return [c.outputs[0].text for c in _run(model, prompts, params)]
+    return [c.outputs[0].text for c in _run(model, _prompt_ids(model, prompts, add_special_tokens), params)]
 
 
 def generate_ids(
@@ -73,10 +106,19 @@ def generate_ids(
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Generated token ids per prompt, the final stop token excluded; arguments as `generate`."""
+    """Generated token ids per prompt, the final stop token excluded; arguments as `generate`.
+
+    Args:
+        model: a loaded model (no tokenizer needed).
+        prompts: token-id lists.
+        max_tokens, temperature, top_k, top_p, seed, stop_token_ids: as `generate`.
+
+    Returns:
+        the new ids per prompt, in prompt order.
+    """
     params = _params(max_tokens, temperature, top_k, top_p, seed, (), stop_token_ids)
     out = []
-    for completion in _run(model, prompts, params):
+    for completion in _run(model, _prompt_ids(model, prompts, True), params):
         result = completion.outputs[0]
         ids = list(result.token_ids)
         if result.finish_reason == "stop" and ids:
@@ -85,9 +127,9 @@ def generate_ids(
     return out
 
 
-def _params(max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: Sequence[str],
+def _params(max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: str | Sequence[str],
             stop_token_ids: Sequence[int] | None) -> SamplingParams:  # fmt: skip
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop),
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
         stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=stop_token_ids is not None,
     )  # fmt: skip

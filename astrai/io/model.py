@@ -6,12 +6,15 @@ pass around in notebooks and CLIs.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 
 from astrai.io.checkpoint import CheckpointError, atomic_dir, read_config, read_json, save_params, write_json
+from astrai.io.hub import resolve_model
 from astrai.io.tokenizer import Tokenizer
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, check_params
@@ -27,12 +30,15 @@ class Model:
         params: the parameter tree (plain tensors).
         tokenizer: the tokenizer, or None when the folder has no tokenizer.json.
         eos_token_ids: ids that end generation (generation_config.json, config.json, tokenizer).
+        generation_defaults: the sampling defaults of the folder's generation_config.json, by SamplingParams
+            name (`read_generation_defaults`); the server applies them to requests that leave a field unset.
     """
 
     config: ModelConfig
     params: DecoderParams
     tokenizer: Tokenizer | None = None
     eos_token_ids: tuple[int, ...] = ()
+    generation_defaults: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -86,6 +92,40 @@ def _eos_ids(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> tup
     return tuple(dict.fromkeys(ids))
 
 
+# generation_config.json key -> (SamplingParams name, type, lowest value); the keys vLLM takes from the file
+_GENERATION_KEYS = {"temperature": ("temperature", float, 0.0), "top_p": ("top_p", float, 0.0),
+                    "top_k": ("top_k", int, -1), "min_p": ("min_p", float, 0.0),
+                    "repetition_penalty": ("repetition_penalty", float, 0.0),
+                    "max_new_tokens": ("max_tokens", int, 1)}  # fmt: skip
+
+
+def read_generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """Sampling defaults from `folder/generation_config.json`, keyed by SamplingParams field names.
+
+    The keys vLLM applies (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, and `max_new_tokens`
+    as `max_tokens`); absent or null keys are left out, and a folder without the file gives `{}`. As in vLLM,
+    `do_sample` is not consulted: a file with `temperature: 0.6` samples at 0.6 even when `do_sample` is false.
+
+    Raises:
+        CheckpointError: the file is not a JSON object, or one of those keys holds a value of the wrong type,
+            a non-finite number or one below its range (the message names the file and key).
+    """
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data, out = read_json(path), {}
+    for key, (name, kind, lowest) in _GENERATION_KEYS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        ok_type = isinstance(value, int) if kind is int else isinstance(value, int | float)
+        if isinstance(value, bool) or not ok_type or not math.isfinite(value) or value < lowest:
+            raise CheckpointError(f"{path}: {key} must be {'an integer' if kind is int else 'a finite number'} >= "
+                                  f"{lowest}, got {value!r}")  # fmt: skip
+        out[name] = kind(value)
+    return out
+
+
 def resolve_device(device: torch.device | str | None) -> torch.device | str | None:
     """`device`, with "auto" resolved: CUDA when torch sees a GPU, else CPU (None stays None: the CPU default)."""
     if device == "auto":
@@ -93,13 +133,16 @@ def resolve_device(device: torch.device | str | None) -> torch.device | str | No
     return device
 
 
-def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> Model:
-    """Load a HF-format folder (config.json + safetensors [+ tokenizer files]).
+def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
+         revision: str | None = None) -> Model:  # fmt: skip
+    """Load a HF-format folder (config.json + safetensors [+ tokenizer files]), or a model id from the HF cache.
 
     Args:
-        path: the model folder.
+        path: the model folder, or a Hugging Face model id (`Qwen/Qwen3-0.6B`) already in the local Hugging Face
+            cache (`astrai.io.hub.resolve_model`: no network access, a message saying how to download it).
         dtype: parameter dtype (torch dtype or name such as "bfloat16"); default: the checkpoint's.
         device: where to put the parameters; default CPU; "auto": CUDA when available, else CPU.
+        revision: branch, tag or commit of a model id (default `main`).
 
     Raises:
         CheckpointError: the folder is missing, unsupported, incomplete or corrupt (the message says which).
@@ -107,10 +150,9 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
     from astrai.io.checkpoint import load_params
     from astrai.models.config import DTYPES
 
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such model folder")
+    folder = resolve_model(path, revision)
     cfg = read_config(folder)
+    defaults = read_generation_defaults(folder)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -119,7 +161,8 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
     if dtype is not None:
         cfg = attrs.evolve(cfg, dtype=next(name for name, d in DTYPES.items() if d == dtype))
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
-    return Model(config=cfg, params=params, tokenizer=tokenizer, eos_token_ids=_eos_ids(folder, cfg, tokenizer))
+    return Model(config=cfg, params=params, tokenizer=tokenizer, eos_token_ids=_eos_ids(folder, cfg, tokenizer),
+                 generation_defaults=defaults)  # fmt: skip
 
 
 def save(model: Model, out_dir: str | Path) -> Path:
@@ -136,6 +179,8 @@ def save(model: Model, out_dir: str | Path) -> Path:
         gen = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id}
         eos = list(model.eos_token_ids or cfg.eos_token_id)
         gen["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        hf_names = {name: key for key, (name, _, _) in _GENERATION_KEYS.items()}
+        gen.update({hf_names[k]: v for k, v in model.generation_defaults.items() if k in hf_names})
         write_json(tmp / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
         if model.tokenizer is not None:
             model.tokenizer.save(tmp)

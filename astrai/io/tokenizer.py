@@ -24,6 +24,7 @@ WordPiece-era ``clean_up_tokenization_spaces`` post-processing, padding and trun
 from __future__ import annotations
 
 import bisect
+import copy
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -184,6 +185,20 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. a leading BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, never with a doubled BOS (what `astrai.generate` and the engine encode).
+
+        ``encode``'s ids, except that when ``text`` already starts with the BOS token's text (rendered chat-template
+        text: Llama 3's template writes ``<|begin_of_text|>`` itself) and the post-processor adds BOS in front of
+        it, that added BOS is dropped, so the ids start with exactly one. transformers' ``tokenizer(text)`` and
+        vLLM's completions route would keep both. ``add_special_tokens=False`` encodes the text as it is.
+        """
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        bos, bos_text = self.bos_token_id, self.bos_token
+        if add_special_tokens and bos is not None and bos_text and text.startswith(bos_text) and ids[:2] == [bos, bos]:
+            del ids[0]
+        return ids
+
     def encode_nogil(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``encode``'s ids, computed with the GIL released (what worker threads beside an event loop call).
 
@@ -285,6 +300,16 @@ class Tokenizer:
         if isinstance(self._chat_template, dict):
             return dict(self._chat_template)
         return {} if self._chat_template is None else {"default": self._chat_template}
+
+    def with_chat_template(self, chat_template: str | Mapping[str, str]) -> Tokenizer:
+        """A copy that renders with ``chat_template`` (one template, or ``{name: template}``) instead of its own.
+
+        The copy shares the backend; one template replaces all of this tokenizer's named ones (as vLLM's
+        ``--chat-template`` does: it is used with and without tools).
+        """
+        new = copy.copy(self)
+        new._chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
+        return new
 
     def apply_chat_template(
         self,

@@ -1,6 +1,7 @@
 """Anthropic-compatible Messages API: `POST /v1/messages` (and `POST /v1/messages/count_tokens`).
 
-Request validation, the prompt and the sampling settings are `anthropic_protocol`'s. The prompt is rendered and
+Request validation, the prompt and the sampling settings (with the server's sampling defaults for unset fields)
+are `anthropic_protocol`'s. The prompt is rendered and
 tokenized on the server's worker pool (`ServerState.offload`), so a huge prompt does not stall other streams.
 
 Response: `{"id": "msg_<24 hex>", "type": "message", "role": "assistant", "model", "content": [text block
@@ -20,7 +21,8 @@ text ends with (the engine picks the occurrence ending first, ties to the longes
 
 Errors: bad input 400, bad key 401, body too large 413, queue full 529 (overloaded_error), client gone 499;
 a client disconnect aborts the request and frees its KV. Not supported: images, documents, citations, thinking,
-server tools, prompt caching fields (cache_control is accepted and ignored).
+server tools, prompt caching fields (cache_control is accepted and ignored). With `ServerState.log_requests` each
+request's id, route, messages (truncated) and sampling params are logged at INFO; otherwise no prompt text.
 """
 
 from __future__ import annotations
@@ -36,7 +38,17 @@ from starlette.routing import Route
 
 from astrai.inference.outputs import Delta
 from astrai.serve.anthropic_protocol import MessagesRequest, parse_request, render_prompt, sampling_params
-from astrai.serve.common import APIError, anthropic_error, deltas, json_body, route, sse, stream_response, submit
+from astrai.serve.common import (
+    APIError,
+    anthropic_error,
+    deltas,
+    json_body,
+    log_request,
+    route,
+    sse,
+    stream_response,
+    submit,
+)
 from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import TextDelta, ToolCallArgs, ToolCallEnd, ToolCallParser, ToolCallStart
 
@@ -184,10 +196,13 @@ def routes(state: ServerState) -> list[Route]:
     async def messages(request: Request) -> Response:
         req = parse_request(await json_body(request))
         ids = await prompt_ids(req)
-        handle = submit(state.engine, ids, sampling_params(req), busy_status=529)
+        params = sampling_params(req, state.sampling_defaults)
+        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": state.model_name}
+        if state.log_requests:
+            log_request(head["id"], request.url.path, list(req.messages), params)
+        handle = submit(state.engine, ids, params, busy_status=529)
         gen = Generation(req)
         source = state.metrics.observe(deltas(request, handle), len(ids))
-        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": state.model_name}
         if req.stream:
             usage = {"input_tokens": len(ids), "output_tokens": 0}
             start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}

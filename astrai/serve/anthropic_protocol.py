@@ -10,9 +10,13 @@ Request (JSON; validated like the real API, every error a 400 in Anthropic's sha
 - `system` (string or text blocks), `tools` ([{name: ^[a-zA-Z0-9_-]{1,64}$, description, input_schema: an
   object schema}]; server tools are rejected), `tool_choice` ({"type": "auto" | "any" | "none" | "tool" +
   "name"}, `disable_parallel_tool_use` keeps only the first call), `stop_sequences`, `temperature` [0, 1]
-  (default 1; 0 = greedy), `top_p` (0, 1], `top_k` (>= 0; 0 = off), `stream`, `metadata` / `service_tier` /
-  `cache_control` (ignored), `thinking` only as {"type": "disabled"}. Unknown fields are rejected. The
-  `anthropic-version` header is accepted and ignored; `x-api-key` is checked by the app's Guard (401).
+  (default 1; 0 = greedy), `top_p` (0, 1], `top_k` (>= 0; 0 = off), `stream`, `thinking` only as
+  {"type": "disabled"}. Deliberate no-ops: `metadata`, `service_tier`, `cache_control` (accepted, ignored).
+  Any other field is a 400 naming it (and listing the accepted ones). The `anthropic-version` header is
+  accepted and ignored; `x-api-key` is checked by the app's Guard (401).
+- Server sampling defaults (`ServerState.sampling_defaults`, e.g. generation_config.json) fill `temperature`,
+  `top_p` and `top_k` when the request leaves them unset, and always set `min_p` and `repetition_penalty` (no
+  Anthropic field); `max_tokens` is required here, so its default never applies.
 
 Prompt: the chat template renders the system message first, then the turns: text blocks joined by "\\n",
 assistant `tool_use` blocks as OpenAI-style `tool_calls` (arguments as a dict), `tool_result` blocks as `tool`
@@ -27,7 +31,7 @@ The routes, streaming and the reply's content blocks are `anthropic_api`'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -57,7 +61,8 @@ class MessagesRequest:
         prefill: text of a final assistant message, continued by the model and not repeated in the reply.
         single_call: keep only the first tool call (disable_parallel_tool_use).
         stop: stop sequences.
-        temperature, top_p, top_k: sampling settings (top_k 0 = off).
+        temperature, top_p, top_k: sampling settings (top_k 0 = off); None: unset (the server's default, else
+            1, 1, 0).
         stream: answer with server-sent events.
     """
 
@@ -68,9 +73,9 @@ class MessagesRequest:
     prefill: str = ""
     single_call: bool = False
     stop: tuple[str, ...] = ()
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     stream: bool = False
 
     @property
@@ -241,7 +246,8 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
     """
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
-        raise _bad(unknown[0], "Extra inputs are not permitted")
+        raise _bad(unknown[0], f"Extra inputs are not permitted (this server accepts {', '.join(sorted(_FIELDS))}; "
+                               "docs/serving.md says what each does)")  # fmt: skip
     _req(body, "model", "string")  # any name: the reply names the served model
     max_tokens = 1 if count_only else _req(body, "max_tokens", "integer")
     if max_tokens < 1:
@@ -255,19 +261,19 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
     for i, s in enumerate(stop):
         if not _check(s, "string", f"stop_sequences.{i}"):
             raise _bad(f"stop_sequences.{i}", "stop sequences must be non-empty")
-    temperature = _opt(body, "temperature", "number", 1.0)
-    if not 0.0 <= temperature <= 1.0:
+    temperature = _opt(body, "temperature", "number")
+    if temperature is not None and not 0.0 <= temperature <= 1.0:
         raise _bad("temperature", f"Input should be between 0 and 1, got {temperature}")
-    top_k = _opt(body, "top_k", "integer", 0)
-    if top_k < 0:
+    top_k = _opt(body, "top_k", "integer")
+    if top_k is not None and top_k < 0:
         raise _bad("top_k", f"Input should be greater than or equal to 0, got {top_k}")
     _opt(body, "metadata", "object")
     thinking = _opt(body, "thinking", "object", {"type": "disabled"})
     if thinking.get("type") != "disabled":
         raise _bad("thinking", "extended thinking is not supported by this server")
     return MessagesRequest(max_tokens=max_tokens, messages=tuple(chat), tools=tools, forced=forced, prefill=prefill,
-                           single_call=single, stop=tuple(stop), temperature=float(temperature),
-                           top_p=float(_opt(body, "top_p", "number", 1.0)), top_k=top_k,
+                           single_call=single, stop=tuple(stop), temperature=temperature,
+                           top_p=_opt(body, "top_p", "number"), top_k=top_k,
                            stream=_opt(body, "stream", "boolean", False))  # fmt: skip
 
 
@@ -288,7 +294,14 @@ def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_sp
         raise APIError(400, f"the chat template rejected the conversation: {err}") from None
 
 
-def sampling_params(req: MessagesRequest) -> SamplingParams:
-    """Engine settings; stop strings are kept in the output so the reply can tell which one matched."""
-    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, stop=req.stop, include_stop_str_in_output=bool(req.stop))  # fmt: skip
+def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """Engine settings, unset ones from the server's sampling `defaults` (`max_tokens` is the request's own).
+
+    Stop strings are kept in the output so the reply can tell which one matched.
+    """
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
+    return SamplingParams(max_tokens=req.max_tokens, stop=req.stop, include_stop_str_in_output=bool(req.stop),
+                          temperature=d["temperature"] if req.temperature is None else float(req.temperature),
+                          top_p=d["top_p"] if req.top_p is None else float(req.top_p),
+                          top_k=d["top_k"] if req.top_k is None else req.top_k,
+                          min_p=d["min_p"], repetition_penalty=d["repetition_penalty"])  # fmt: skip

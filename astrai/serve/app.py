@@ -5,7 +5,9 @@ the routes (`Guard`) enforces the optional API key (`Authorization: Bearer KEY` 
 `Host` names on loopback connections, JSON-only POSTs, and the body's size and deadline (counted as it arrives),
 and counts requests by endpoint and status; 404/405 come in the API's error shape too. Connection-level limits
 (request-head deadline, open connections) are `server.py`'s. No model code lives in the handlers: they map API fields to
-`SamplingParams`, submit token ids, and format what the engine streams back.
+`SamplingParams`, submit token ids, and format what the engine streams back. `build_app`'s `sampling_defaults`
+(generation_config.json's, filling unset request fields) and `log_requests` (prompts in the log, a debugging aid)
+are kept on `ServerState`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -203,7 +206,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None = None,
               max_body_bytes: int = 8 << 20, embeddings: EncoderConfig | None = None, body_timeout: float = 60.0,
               allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False, tokenizer_workers: int = 4,
-              allow_special_tokens_in_content: bool = False) -> ASGIApp:  # fmt: skip
+              allow_special_tokens_in_content: bool = False, sampling_defaults: Mapping[str, Any] | None = None,
+              log_requests: bool = False) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
@@ -211,11 +215,19 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
     `Host` names accepted besides loopback ones ("*": any; None: any, except on loopback connections).
     With an `api_key`, `GET /metrics` needs the key too unless `metrics_public`. `tokenizer_workers` threads
     render chat templates and tokenize, off the event loop; `allow_special_tokens_in_content` lets special-token
-    text in chat messages become control tokens (`Tokenizer.encode_chat`).
+    text in chat messages become control tokens (`Tokenizer.encode_chat`). `sampling_defaults` (keys of
+    `sampling_fields.SAMPLING_DEFAULT_KEYS`, e.g. `Model.generation_defaults` from generation_config.json) fill the
+    sampling fields a request leaves unset; an explicit value in the request wins. `log_requests` logs each
+    request's id, route, prompt (its first 200 characters) and sampling params at INFO on the `astrai.serve`
+    logger; without it no log line holds a prompt.
+
+    Raises:
+        ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type.
     """
     state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                         embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,
-                        allow_special_tokens_in_content=allow_special_tokens_in_content)  # fmt: skip
+                        allow_special_tokens_in_content=allow_special_tokens_in_content,
+                        sampling_defaults=sampling_defaults or {}, log_requests=log_requests)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -8,7 +8,8 @@ Client input never causes a 500: a body that is not strict UTF-8 JSON, nests arr
 `MAX_JSON_DEPTH`, holds an integer literal longer than Python parses (4,300 digits) or a lone UTF-16 surrogate
 escape (`"\\ud800"`) is a 400. Anything else a handler raises is a bug: it is logged with its traceback on the
 `astrai.serve` logger under a request id, and the client gets a 500 (or, mid-stream, an error event) that
-carries only that id, never the exception text.
+carries only that id, never the exception text. No log line holds a prompt or the API key; `log_request` (called
+only when the server logs requests, a debugging aid) shows a prompt's first `PROMPT_LOG_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -67,6 +68,9 @@ def anthropic_error(err: APIError) -> JSONResponse:
     body = {"type": "error", "error": {"type": kind, "message": err.message}}
     return JSONResponse(body, status_code=err.status, headers=_retry_after(err))
 
+
+PROMPT_LOG_CHARS = 200
+"""Characters of a prompt that `log_request` shows."""
 
 MAX_JSON_DEPTH = 128
 """Deepest nesting of arrays/objects a request body may have (the body object is level 1)."""
@@ -167,6 +171,77 @@ async def deltas(request: Request, handle: RequestHandle) -> AsyncIterator[Delta
         watcher.cancel()
         if handle.completion is None:
             handle.abort()
+
+
+def submit_all(engine: Engine, requests: Sequence[tuple[list[int], SamplingParams]], *, busy_status: int
+               ) -> list[RequestHandle]:  # fmt: skip
+    """`submit` each (prompt ids, params) in order; if one fails (the queue filled up meanwhile), the ones already
+    queued are aborted before the error is raised, so a list of prompts runs whole or not at all."""
+    handles: list[RequestHandle] = []
+    try:
+        for ids, params in requests:
+            handles.append(submit(engine, ids, params, busy_status=busy_status))
+    except BaseException:
+        for handle in handles:
+            handle.abort()
+        raise
+    return handles
+
+
+async def _abort_all_on_disconnect(request: Request, handles: Sequence[RequestHandle]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for handle in handles:
+        handle.abort()
+
+
+async def merged_deltas(request: Request, handles: Sequence[RequestHandle], sources: Sequence[AsyncIterator[Delta]]
+                        ) -> AsyncIterator[tuple[int, Delta]]:  # fmt: skip
+    """(k, delta) from every `sources[k]` (`handles[k]`'s deltas, possibly wrapped) in arrival order.
+
+    One watcher aborts every request when the client disconnects; when the consumer stops early, or a source
+    raises (re-raised here), the unfinished requests are aborted too.
+    """
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, source: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in source:
+                queue.put_nowait((k, delta))
+            queue.put_nowait((k, None))
+        except Exception as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((k, err))
+
+    watcher = asyncio.create_task(_abort_all_on_disconnect(request, handles))
+    pumps = [asyncio.create_task(pump(k, source)) for k, source in enumerate(sources)]
+    try:
+        left = len(pumps)
+        while left:
+            k, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        watcher.cancel()
+        for task in pumps:
+            task.cancel()
+        for handle in handles:
+            if handle.completion is None:
+                handle.abort()
+
+
+def log_request(request_id: str, route: str, prompt: Any, params: SamplingParams) -> None:
+    """Log a request's id, route, prompt (its first `PROMPT_LOG_CHARS` characters) and sampling settings at INFO.
+
+    Only called when the server logs requests (`ServerState.log_requests`, a debugging aid): otherwise no log
+    line holds a prompt (nor, ever, the API key).
+    """
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+    shown = text[:PROMPT_LOG_CHARS] + (f"... ({len(text)} characters)" if len(text) > PROMPT_LOG_CHARS else "")
+    logger.info("request %s %s prompt=%r params=%r", request_id, route, shown, params)
 
 
 async def complete(request: Request, handle: RequestHandle) -> tuple[list[Delta], Completion]:

@@ -14,6 +14,18 @@ reported as -9999.0, since JSON has no infinity. Streams: a role chunk per choic
 (a call's id and name first with `arguments: ""`, then its arguments), one finish chunk per choice, a usage
 chunk with `choices: []` when asked, then `data: [DONE]`. Not enforced: `parallel_tool_calls: false`. A forced
 call (tool_choice "required" / named) that the model fails to complete comes back as text.
+
+A completions request with a list of prompts submits one engine request per prompt (all or none: if the queue
+fills up midway, the queued ones are aborted and the client gets a 429); choice `index` is `prompt_index * n +
+j`, usage sums every prompt's tokens (each prompt counted once), a stream interleaves the prompts' chunks as
+they come and ends with one usage chunk and one `[DONE]`; a disconnect aborts them all. With
+`ServerState.log_requests` each request's id, route, prompt (its first 200 characters; chat: the messages as
+JSON; one line per prompt of a list) and SamplingParams are logged at INFO; otherwise nothing of the prompt.
+
+`echo` with `logprobs` scores the prompts first (`astrai.inference.score.prompt_logprobs` on the worker pool: one
+chunked causal forward per prompt, outside the engine's KV pool); each choice's legacy `logprobs` then start with
+the prompt's tokens (`null` first; each position's `top_logprobs` hold its alternatives and the prompt token, as
+vLLM's do), followed by the generated ones. `max_tokens: 0` with echo only echoes (and scores).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from starlette.routing import Route
 from astrai.inference.engine import EngineDeadError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
+from astrai.inference.score import PromptLogprobs, prompt_logprobs
 from astrai.io.token_bytes import TokenBytes
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error, sse
@@ -122,6 +135,8 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
     parsers = [ToolCallParser(chat.tool_names, chat.prefill) for _ in range(chat.params.n)]
     for i in range(chat.params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
+        if chat.echo:
+            yield chunk(i, {"content": chat.echo})
     try:
         async for d in _engine_deltas(state, request, handle, len(chat.prompt)):
             parser = parsers[d.index]
@@ -150,9 +165,12 @@ def _openai_call(call: ToolCall) -> dict:
 async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
-                               allow_special_tokens=state.allow_special_tokens_in_content)  # fmt: skip
-    handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
+                               allow_special_tokens=state.allow_special_tokens_in_content,
+                               defaults=state.sampling_defaults)  # fmt: skip
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    if state.log_requests:
+        common.log_request(head["id"], request.url.path, body.get("messages"), chat.params)
+    handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
     if chat.stream:
         return common.stream_response(_chat_stream(state, request, handle, chat,
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
@@ -160,6 +178,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     texts, choices = TokenBytes(state.tokenizer), []
     for out in completion.outputs:
         text, calls = parse_tool_calls(out.text, chat.tool_names, chat.prefill) if chat.parse else (out.text, [])
+        text = chat.echo + text
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = [_openai_call(c) for c in calls]
@@ -180,46 +199,147 @@ def _legacy_logprobs(texts: TokenBytes, ids: Any, lps: Any, tops: Any, offset: i
             "text_offset": offsets}  # fmt: skip
 
 
+def _prompt_part(texts: TokenBytes, scores: PromptLogprobs) -> dict:
+    """The echoed prompt's entries of the legacy logprobs: null first, and, as vLLM does, each position's top
+    alternatives together with the prompt's own token (so lm-eval can tell whether the prompt was greedy)."""
+    tokens = [texts.text(t) for t in scores.token_ids]
+    tops: list[dict | None] = [None]
+    for token, logprob, alts in zip(scores.token_ids[1:], scores.logprobs[1:], scores.top_logprobs[1:], strict=True):
+        tops.append({texts.text(a): max(b, -9999.0) for a, b in ((token, logprob), *alts)})
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if x is None else max(x, -9999.0) for x in scores.logprobs],
+        "top_logprobs": tops,
+        "text_offset": [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))],
+    }
+
+
+def _with_prompt(prompt: dict | None, generated: dict | None, echo: str) -> dict | None:
+    """The prompt's logprobs followed by the generated tokens' (None when neither exists). The generated tokens'
+    `text_offset`s, counted from the end of the `echo` text, move to the end of the prompt's token texts, so the
+    offsets of one choice always increase (a prompt given as ids decodes to text of another length)."""
+    if prompt is None or generated is None:
+        return prompt or generated
+    end = sum(len(t) for t in prompt["tokens"])
+    generated = {**generated, "text_offset": [o - len(echo) + end for o in generated["text_offset"]]}
+    return {key: prompt[key] + (generated[key] or [{} for _ in generated["tokens"]]) for key in prompt}
+
+
+def _summed_usage(completions: list[Completion], prompt_tokens: int = 0) -> dict:
+    """Usage over a list of prompts' completions: each prompt counted once, every completion's tokens
+    (`prompt_tokens`: those of prompts that were only echoed, never generated from)."""
+    prompt = prompt_tokens + sum(c.prompt_tokens for c in completions)
+    generated = sum(c.completion_tokens for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in completions)}}  # fmt: skip
+
+
+async def _score_prompts(state: ServerState, req: CompletionRequest) -> list[PromptLogprobs] | None:
+    """Each prompt's token logprobs when the request echoes them with logprobs (a causal forward per prompt on
+    the worker pool, chunked over the vocabulary: `astrai.inference.score`); None otherwise."""
+    if not req.prompt_logprobs:
+        return None
+    return await state.offload(prompt_logprobs, state.engine.model, [p.ids for p in req.prompts], top=req.logprobs)
+
+
+def _echo_only(state: ServerState, req: CompletionRequest, scores: list[PromptLogprobs] | None) -> list[dict]:
+    """Choices of a `max_tokens: 0` request: each prompt echoed n times (with its logprobs), nothing generated."""
+    texts = TokenBytes(state.tokenizer)
+    choices = []
+    for k, prompt in enumerate(req.prompts):
+        lp = _prompt_part(texts, scores[k]) if scores else None
+        choices += [{"index": k * req.n + j, "text": prompt.echo, "logprobs": lp, "finish_reason": "length"}
+                    for j in range(req.n)]  # fmt: skip
+    return choices
+
+
+async def _completion_deltas(state: ServerState, request: Request, handles: list[RequestHandle],
+                             req: CompletionRequest) -> AsyncIterator[tuple[int, Delta]]:  # fmt: skip
+    """(prompt index, delta) of every prompt's request as they come, through the metrics; all are aborted on
+    disconnect; a dead engine is a 503."""
+    sources = [state.metrics.observe(aiter(h), len(p.ids)) for h, p in zip(handles, req.prompts, strict=True)]
+    try:
+        async for k, delta in common.merged_deltas(request, handles, sources):
+            yield k, delta
+    except EngineDeadError as err:
+        raise APIError(503, str(err), type="server_error") from None
+
+
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
     req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size,
-                              context=state.context)  # fmt: skip
-    handle = common.submit(state.engine, req.prompt, req.params, busy_status=429)
+                              context=state.context, defaults=state.sampling_defaults,
+                              max_sequences=state.max_waiting)  # fmt: skip
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip
+    if state.log_requests:
+        several = len(req.prompts) > 1  # then body["prompt"] is the list of them
+        for k, (prompt, p) in enumerate(zip(body["prompt"] if several else [body["prompt"]], req.prompts, strict=True)):
+            common.log_request(head["id"] + (f"[{k}]" if several else ""), request.url.path, prompt, p.params)
+    scores = await _score_prompts(state, req)
+    if not req.generate:
+        choices, usage = _echo_only(state, req, scores), _summed_usage([], sum(len(p.ids) for p in req.prompts))
+        if req.stream:
+            return common.stream_response(_echo_stream(head, choices, usage if req.include_usage else None))
+        return JSONResponse({**head, "choices": choices, "usage": usage})
+    handles = common.submit_all(state.engine, [(p.ids, p.params) for p in req.prompts], busy_status=429)
     if req.stream:
-        return common.stream_response(_completion_stream(state, request, handle, req, head))
-    completion, texts = await _collect(state, request, handle, len(req.prompt)), TokenBytes(state.tokenizer)
-    choices = []
-    for o in completion.outputs:
-        lp = None
-        if req.logprobs is not None:
-            lp = _legacy_logprobs(texts, o.token_ids, o.logprobs, o.top_logprobs, len(req.echo))
-        choices.append({"index": o.index, "text": req.echo + o.text, "logprobs": lp,
-                        "finish_reason": _finish(o.finish_reason, False)})  # fmt: skip
-    return JSONResponse({**head, "choices": choices, "usage": _usage(completion)})
+        return common.stream_response(_completion_stream(state, request, handles, req, head, scores))
+    async for _ in _completion_deltas(state, request, handles, req):
+        pass
+    if any(h.completion is None for h in handles):
+        raise APIError(499, "the client closed the request")
+    texts, choices = TokenBytes(state.tokenizer), []
+    for k, (h, prompt) in enumerate(zip(handles, req.prompts, strict=True)):
+        for o in h.completion.outputs:
+            lp = None
+            if req.logprobs is not None:
+                lp = _legacy_logprobs(texts, o.token_ids, o.logprobs, o.top_logprobs, len(prompt.echo))
+                lp = _with_prompt(_prompt_part(texts, scores[k]) if scores else None, lp, prompt.echo)
+            choices.append({"index": k * req.n + o.index, "text": prompt.echo + o.text, "logprobs": lp,
+                            "finish_reason": _finish(o.finish_reason, False)})  # fmt: skip
+    usage = _summed_usage([h.completion for h in handles])
+    return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-async def _completion_stream(state: ServerState, request: Request, handle: RequestHandle, req: CompletionRequest,
-                             head: dict) -> AsyncIterator[str]:  # fmt: skip
+async def _echo_stream(head: dict, choices: list[dict], usage: dict | None) -> AsyncIterator[str]:
+    """A `max_tokens: 0` request as a stream: one chunk per choice, the usage chunk when asked, `[DONE]`."""
+    tail = {"usage": None} if usage is not None else {}
+    for choice in choices:
+        yield sse({**head, "choices": [choice], **tail})
+    if usage is not None:
+        yield sse({**head, "choices": [], "usage": usage})
+    yield sse("[DONE]")
+
+
+async def _completion_stream(state: ServerState, request: Request, handles: list[RequestHandle],
+                             req: CompletionRequest, head: dict, scores: list[PromptLogprobs] | None
+                             ) -> AsyncIterator[str]:  # fmt: skip
     tail, texts = {"usage": None} if req.include_usage else {}, TokenBytes(state.tokenizer)
     offsets: dict[int, int] = {}  # per choice: characters sent so far (legacy text_offset)
     try:
-        async for d in _engine_deltas(state, request, handle, len(req.prompt)):
-            piece = ("" if d.index in offsets else req.echo) + d.text
-            offset = offsets.get(d.index, 0) + len(piece) - len(d.text)
+        async for k, d in _completion_deltas(state, request, handles, req):
+            index = k * req.n + d.index
+            first = index not in offsets
+            piece = (req.prompts[k].echo if first else "") + d.text
+            offset = offsets.get(index, 0) + len(piece) - len(d.text)
             lp = None
             if d.logprobs is not None and d.token_ids:
                 lp = _legacy_logprobs(texts, d.token_ids, d.logprobs, d.top_logprobs, offset)
-            offsets[d.index] = offset + len(d.text)
+            if first and scores:  # the echoed prompt's logprobs go with its text, in the choice's first chunk
+                prompt_part = _prompt_part(texts, scores[k])
+                lp = _with_prompt(prompt_part, lp, req.prompts[k].echo)
+                offset = sum(len(t) for t in prompt_part["tokens"])  # later offsets count from the prompt's tokens
+            offsets[index] = offset + len(d.text)
             finish = _finish(d.finish_reason, False) if d.finish_reason else None
-            yield sse({**head, "choices": [{"index": d.index, "text": piece, "logprobs": lp, "finish_reason": finish}],
+            yield sse({**head, "choices": [{"index": index, "text": piece, "logprobs": lp, "finish_reason": finish}],
                        **tail})  # fmt: skip
     except APIError as err:
         yield _error_event(err)
         return
-    for event in _stream_end(head, handle, req.include_usage):
-        yield event
+    if req.include_usage and all(h.completion is not None for h in handles):
+        yield sse({**head, "choices": [], "usage": _summed_usage([h.completion for h in handles])})
+    yield sse("[DONE]")
 
 
 def routes(state: ServerState) -> list[Route]:

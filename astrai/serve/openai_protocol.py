@@ -1,5 +1,8 @@
 """OpenAI request bodies -> validated, typed requests for `/v1/chat/completions` and `/v1/completions`.
 
+Every top-level field is honoured, a documented no-op, or a 400 naming it in `param` (an unknown field's message
+lists the route's fields); shared field checks and the mapping onto SamplingParams are `sampling_fields`'.
+
 Chat completions accept:
 - `messages` with roles system / developer (= system) / user / assistant / tool; `content` a string, null (an
   assistant turn with `tool_calls`) or a list of `{"type": "text"}` parts (joined with newlines; any other part
@@ -13,154 +16,89 @@ Chat completions accept:
   `astrai.serve.tool_calls` (Hermes `<tool_call>` markup or bare JSON); parsed calls come back as `tool_calls`
   with `arguments` a JSON string of an object, and finish_reason "tool_calls".
 - sampling: `n` (<= 16), `temperature` [0, 2], `top_p`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
-  `seed`, `stop` (a string or <= 16 strings), `max_tokens` / `max_completion_tokens` (default: the rest of the
-  context), `logprobs` + `top_logprobs` (0..20), `stream` + `stream_options.include_usage`; extensions (vLLM
-  names): `top_k` (0 or -1 = off), `min_p`, `repetition_penalty`, `ignore_eos`. `model` may be any string (the
-  served name is echoed); `user`, `parallel_tool_calls`, `store`, `metadata`, `service_tier` are ignored.
+  `seed`, `stop` (a string or <= 16 strings), `max_tokens` / `max_completion_tokens` (default: the server's
+  sampling default, else the rest of the context), `logprobs` + `top_logprobs` (0..20), `stream` +
+  `stream_options.include_usage`, `response_format` {"type": "text"}; vLLM's extensions: `top_k` (0 or -1 =
+  off), `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `skip_special_tokens`,
+  `include_stop_str_in_output`. Unset `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and
+  `max_tokens` take the server's sampling defaults (generation_config.json).
+- vLLM's chat extras: `chat_template_kwargs` (an object of extra template variables, e.g. `{"enable_thinking":
+  false}`; names of encode_chat / template arguments such as `messages` or `add_generation_prompt` are a 400, and
+  so is special-token text in its strings unless special tokens are allowed in content), `documents` (a list of
+  objects, the template's `documents`), `continue_final_message` (the final assistant message is continued, not
+  closed: its text is the assistant pre-fill; `add_generation_prompt` must then be false or absent),
+  `add_generation_prompt` (true only, or false with `continue_final_message`), `echo` (the final message's text,
+  when it is an assistant's, starts the reply), `add_special_tokens` (false only: the template places them).
+- no-ops: `model` may be any string (the served name is echoed); `user`, `store`, `metadata`, `service_tier`,
+  `parallel_tool_calls`, `safety_identifier`, `prompt_cache_key` are accepted and ignored.
 - rejected with a 400: `response_format` other than text (no guided decoding), `functions` / `function_call`
-  (the deprecated API: use tools), `audio` / non-text `modalities`.
+  (the deprecated API: use tools), `audio` / non-text `modalities`, `chat_template` (per-request templates: start
+  the server with --chat-template), and vLLM fields without an implementation (`sampling_fields.UNSUPPORTED`:
+  guided decoding, beam search, prompt logprobs, ...).
 
 Special-token text in chat messages (a user writing `<|im_end|>`) is encoded as plain text, so only the chat
 template makes control tokens (`astrai serve --allow-special-tokens-in-content` turns that off). A completions
 `prompt` is raw: it is the client's own template, so special-token text in it is encoded as special tokens.
 
-Completions accept `prompt` as a string or a list of token ids (a one-element list of either is unwrapped; a
-batch of several prompts is a 400: send one request each), `echo` (not with `logprobs`: prompt logprobs are not
-computed), `logprobs` as an int 0..20 (legacy shape with `text_offset`), `max_tokens` (default 16, as OpenAI),
-the same sampling fields and streaming. `suffix` and `best_of` != n are 400s.
+Completions accept `prompt` as a string, a list of token ids, or a list of several of either (each prompt is its
+own engine request: choices are indexed `prompt_index * n + j`; a list of prompts times `n` may not exceed the
+engine's waiting queue; a bad prompt is a 400 naming `prompt` and its index before anything is submitted),
+`echo` (with `logprobs`: the prompt's tokens are scored too, `token_logprobs` starting with null, as lm-eval's
+`local-completions` loglikelihood requests need; `max_tokens: 0` with `echo` only scores, nothing is generated),
+`logprobs` as an int 0..20 (legacy shape with `text_offset`), `max_tokens` (default: the server's sampling
+default, else 16, as OpenAI), `add_special_tokens`
+(default true: a text prompt gets the tokenizer's BOS etc.), the same sampling fields and streaming; `user` is a
+no-op. `suffix` and `best_of` != n are 400s.
 
-Every bad field is an `APIError` 400 naming `param` (OpenAI's error shape is rendered by `openai_api`). What
-happens after validation (streaming, logprobs, usage, errors mid-request) is documented in `openai_api`.
+What happens after validation (streaming, logprobs, usage, errors mid-request) is documented in `openai_api`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
-from astrai.serve.common import APIError
+from astrai.serve.sampling_fields import (
+    SAMPLING_FIELDS,
+    UNSUPPORTED,
+    bad,
+    check_fields,
+    common_checks,
+    flag,
+    include_usage,
+    integer,
+    is_token_id,
+    max_tokens,
+    sampling_params,
+    show,
+)
 from astrai.serve.tools_common import FORCE_ANY, TOOL_NAME, force_tool, function_tool, template_call, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_UNSUPPORTED = {"functions": "use tools", "function_call": "use tool_choice", "audio": "audio output",
-                "suffix": "insertion", "prediction": "predicted outputs"}  # fmt: skip
-
-
-def _bad(param: str | None, message: str) -> APIError:
-    return APIError(400, message, param=param)
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value)[:60]
-
-
-# ---- field validation ---------------------------------------------------------------------------------------
-def _number(body: dict, key: str, default: Any, lo: float | None, hi: float | None, *, integer: bool = False) -> Any:
-    """body[key] checked to be a number (an int if `integer`) in [lo, hi]; `default` when absent or null."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or value != value:
-        raise _bad(key, f"{key} must be {'an integer' if integer else 'a number'}, got {_show(value)}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise _bad(key, f"{key} must be {bounds}, got {value}")
-    return value
-
-
-def _integer(body: dict, key: str, default: Any, lo: int | None, hi: int | None) -> Any:
-    return _number(body, key, default, lo, hi, integer=True)
-
-
-def _flag(body: dict, key: str) -> bool:
-    value = body.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise _bad(key, f"{key} must be a boolean, got {_show(value)}")
-    return bool(value)
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise _bad("stop", f"stop must be a non-empty string or a list of them, got {_show(body['stop'])}")
-    return tuple(stop)
-
-
-def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
-    bias = body.get("logit_bias") or {}
-    try:
-        if not isinstance(bias, dict) or any(isinstance(v, bool) for v in bias.values()):
-            raise TypeError
-        return tuple((int(k), float(v)) for k, v in bias.items())
-    except (TypeError, ValueError):
-        raise _bad("logit_bias", f"logit_bias must map token ids (strings) to numbers, got {_show(bias)}") from None
-
-
-def _common_checks(body: dict) -> None:
-    for key, what in _UNSUPPORTED.items():
-        if body.get(key) is not None:
-            raise _bad(key, f"{key} is not supported by this server ({what})")
-    if not isinstance(body.get("model", ""), str):
-        raise _bad("model", f"model must be a string, got {_show(body['model'])}")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or not _flag(body, "stream"):
-            raise _bad("stream_options", "stream_options must be an object, and only given when stream is true")
-        _flag(options, "include_usage")
-    best_of = _integer(body, "best_of", None, 1, MAX_N)
-    if best_of is not None and best_of != _integer(body, "n", 1, 1, MAX_N):
-        raise _bad("best_of", "best_of must equal n (no server-side best-of selection)")
-
-
-_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-           "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop"}  # fmt: skip
-
-
-def _sampling(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the request fields, validated; `top_logprobs` None: no logprobs."""
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, -1, None),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, None),
-        logit_bias=_logit_bias(body),
-        seed=_integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
-        n=_integer(body, "n", 1, 1, MAX_N),
-        logprobs=top_logprobs is not None,
-        top_logprobs=top_logprobs or 0,
-        stop=_stop(body),
-        ignore_eos=_flag(body, "ignore_eos"),
-    )
-    try:
-        params.check(vocab_size)
-    except ValueError as err:  # EngineInputError: `param` names the field
-        field = getattr(err, "param", None)
-        raise _bad(field if field in _PARAMS else None, str(err)) from None
-    return params
-
-
-def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, default: int | None, prompt_param: str,
-                context: int) -> int:  # fmt: skip
-    """The first of `keys` given, else `default` or else the rest of the `context` (tokens a sequence may hold)."""
-    if prompt_len >= context:
-        raise _bad(prompt_param, f"the prompt has {prompt_len} tokens, but the model's context is {context} tokens: "
-                                 "no room to generate")  # fmt: skip
-    for key in keys:
-        value = _integer(body, key, None, 1, None)
-        if value is not None:
-            return value
-    return context - prompt_len if default is None else min(default, context - prompt_len)
+NO_OPS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
+                    "prompt_cache_key"})  # fmt: skip
+"""Chat fields accepted on purpose without effect (`user` is the only one on completions)."""
+CHAT_FIELDS = SAMPLING_FIELDS | NO_OPS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "modalities",
+    "chat_template_kwargs", "documents", "continue_final_message", "add_generation_prompt", "echo",
+    "add_special_tokens"}  # fmt: skip
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"user", "prompt", "logprobs", "echo", "add_special_tokens"}
+_CHAT_UNSUPPORTED = {**UNSUPPORTED, "functions": "use tools", "function_call": "use tool_choice",
+                     "audio": "audio output", "prediction": "predicted outputs",
+                     "chat_template": "per-request templates; start the server with --chat-template"}  # fmt: skip
+_COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "suffix": "insertion"}
+# names chat_template_kwargs may not set: encode_chat's / apply_chat_template's own arguments and the template's
+# globals (their request fields, where there is one, set them)
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                      "chat_template", "prefill", "head", "tokenize", "special_tokens_in_content",
+                                      "raise_exception", "strftime_now", "dict", "namespace"})  # fmt: skip
 
 
 # ---- chat requests ------------------------------------------------------------------------------------------
@@ -168,31 +106,31 @@ def _content(value: Any, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise _bad(where, f"{where} must be a string, null or a list of text parts")
+        raise bad(where, f"{where} must be a string, null or a list of text parts")
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
-            raise _bad(f"{where}[{j}].type", f"content part type {kind!r} is not supported (text only)")
+            raise bad(f"{where}[{j}].type", f"content part type {kind!r} is not supported (text only)")
         if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}].text", "a text part needs a string 'text'")
+            raise bad(f"{where}[{j}].text", "a text part needs a string 'text'")
     return "\n".join(part["text"] for part in value)
 
 
 def _assistant_calls(calls: Any, where: str, names: dict[str, str]) -> list[dict]:
     """OpenAI tool_calls with their JSON-string arguments parsed (templates render objects); records id -> name."""
     if not isinstance(calls, list):
-        raise _bad(where, f"{where} must be a list")
+        raise bad(where, f"{where} must be a list")
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(f"{where}[{j}].function", "a tool call needs a function with a name")
+            raise bad(f"{where}[{j}].function", "a tool call needs a function with a name")
         try:
             args = json.loads(fn.get("arguments") or "{}")
         except (TypeError, ValueError) as err:
-            raise _bad(f"{where}[{j}].function.arguments", f"arguments must be a JSON string: {err}") from None
+            raise bad(f"{where}[{j}].function.arguments", f"arguments must be a JSON string: {err}") from None
         if not isinstance(args, dict):
-            raise _bad(f"{where}[{j}].function.arguments", "arguments must encode a JSON object")
+            raise bad(f"{where}[{j}].function.arguments", "arguments must encode a JSON object")
         call_id = call["id"] if isinstance(call.get("id"), str) else f"call_{j}"
         names[call_id] = fn["name"]
         out.append(template_call(call_id, fn["name"], args))
@@ -203,23 +141,23 @@ def _messages(body: dict) -> list[dict]:
     """The conversation as chat-template messages."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "messages must be a non-empty list")
+        raise bad("messages", "messages must be a non-empty list")
     out: list[dict] = []
     call_names: dict[str, str] = {}  # tool_call_id -> function name, for templates that show it on results
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
         if role not in _ROLES:
-            raise _bad(f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(_ROLES)}")
+            raise bad(f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(_ROLES)}")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
         msg["content"] = _content(m.get("content"), f"{where}.content")
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _assistant_calls(m["tool_calls"], f"{where}.tool_calls", call_names)
         elif msg["content"] is None and role != "assistant":
-            raise _bad(f"{where}.content", f"a {role} message needs content")
+            raise bad(f"{where}.content", f"a {role} message needs content")
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise _bad(f"{where}.tool_call_id", "a tool message needs a string tool_call_id")
+                raise bad(f"{where}.tool_call_id", "a tool message needs a string tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
             if m["tool_call_id"] in call_names:
                 msg["name"] = call_names[m["tool_call_id"]]
@@ -232,24 +170,24 @@ def _messages(body: dict) -> list[dict]:
 def _tool(tool: Any, where: str, seen: set[str]) -> dict:
     fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
     if not isinstance(fn, dict):
-        raise _bad(where, "a tool must be {'type': 'function', 'function': {...}}")
+        raise bad(where, "a tool must be {'type': 'function', 'function': {...}}")
     name = fn.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name) or name in seen:
-        raise _bad(f"{where}.function.name", f"tool names must be unique and match ^[a-zA-Z0-9_-]{{1,64}}$, got "
-                                             f"{_show(name)}")  # fmt: skip
+        raise bad(f"{where}.function.name", f"tool names must be unique and match ^[a-zA-Z0-9_-]{{1,64}}$, got "
+                                             f"{show(name)}")  # fmt: skip
     seen.add(name)
     description, parameters = fn.get("description"), fn.get("parameters")
     if description is not None and not isinstance(description, str):
-        raise _bad(f"{where}.function.description", "description must be a string")
+        raise bad(f"{where}.function.description", "description must be a string")
     if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
-        raise _bad(f"{where}.function.parameters", "parameters must be a JSON schema of type 'object'")
+        raise bad(f"{where}.function.parameters", "parameters must be a JSON schema of type 'object'")
     return function_tool(name, description, parameters)
 
 
 def _tools(body: dict) -> list[dict]:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
-        raise _bad("tools", "tools must be a list")
+        raise bad("tools", "tools must be a list")
     seen: set[str] = set()
     return [_tool(tool, f"tools[{i}]", seen) for i, tool in enumerate(tools)]
 
@@ -261,15 +199,75 @@ def _tool_choice(body: dict, tools: list[dict]) -> tuple[bool, str]:
         return bool(tools) and choice != "none", ""
     if choice == "required":
         if not tools:
-            raise _bad("tool_choice", "tool_choice 'required' needs tools")
+            raise bad("tool_choice", "tool_choice 'required' needs tools")
         return True, FORCE_ANY
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise _bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
+        raise bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
                                   "{'type': 'function', 'function': {'name': ...}}")  # fmt: skip
     if fn["name"] not in tool_names(tools):
-        raise _bad("tool_choice", f"tool_choice names the function {fn['name']!r}, which is not in tools")
+        raise bad("tool_choice", f"tool_choice names the function {fn['name']!r}, which is not in tools")
     return True, force_tool(fn["name"])
+
+
+def _has_special_text(value: Any, texts: tuple[str, ...]) -> bool:
+    if isinstance(value, str):
+        return any(t in value for t in texts)
+    if isinstance(value, dict):
+        return any(_has_special_text(k, texts) or _has_special_text(v, texts) for k, v in value.items())
+    return isinstance(value, list) and any(_has_special_text(v, texts) for v in value)
+
+
+def _template_kwargs(body: dict, special_texts: tuple[str, ...]) -> dict[str, Any]:
+    """Extra chat-template variables: `chat_template_kwargs` and `documents`.
+
+    Their strings are template input, not message content, so special-token text in them would become control
+    tokens: it is refused unless `special_texts` is empty (special tokens allowed in content).
+    """
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", f"chat_template_kwargs must be an object, got {show(kwargs)}")
+    clash = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise bad(
+            "chat_template_kwargs",
+            f"chat_template_kwargs may not set {clash[0]!r} (an argument of the "
+            "template call; use the request field of that name where there is one)",
+        )
+    documents = body.get("documents")
+    if documents is not None:
+        if "documents" in kwargs:
+            raise bad("documents", "give documents either as the documents field or in chat_template_kwargs")
+        kwargs = {**kwargs, "documents": documents}
+    docs = kwargs.get("documents")
+    if docs is not None and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
+        raise bad("documents", f"documents must be a list of objects, got {show(docs)}")
+    for key, value in kwargs.items():
+        if _has_special_text(value, special_texts):
+            where = "documents" if key == "documents" and documents is not None else f"chat_template_kwargs.{key}"
+            raise bad(where, f"{where} holds special-token text, which the server does not accept there")
+    return kwargs
+
+
+def _continue_final(body: dict, messages: list[dict]) -> tuple[list[dict], str]:
+    """(the messages to render, the assistant text to continue) under `continue_final_message`."""
+    generation_prompt = flag(body, "add_generation_prompt", True)
+    if not flag(body, "continue_final_message"):
+        if not generation_prompt:
+            raise bad(
+                "add_generation_prompt",
+                "add_generation_prompt false is only supported with "
+                "continue_final_message true (the reply is an assistant turn)",
+            )
+        return messages, ""
+    if body.get("add_generation_prompt") is True:
+        raise bad("continue_final_message", "continue_final_message cannot be used with add_generation_prompt true")
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls") or not isinstance(last["content"], str):
+        raise bad("continue_final_message", "continue_final_message needs a final assistant message with text "
+                                            "content (and no tool_calls)")  # fmt: skip
+    return messages[:-1], last["content"]
 
 
 @attrs.frozen
@@ -282,11 +280,13 @@ class ChatRequest:
     include_usage: bool
     parse: bool  # whether tool calls are parsed from the output (tools given, tool_choice not "none")
     tool_names: tuple[str, ...]
-    prefill: str
+    prefill: str  # the forced tool-call head (the tool-call parser's prefix)
+    echo: str = ""  # text put before each choice's content (`echo` with a final assistant message)
 
 
 def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
-               allow_special_tokens: bool = False) -> ChatRequest:  # fmt: skip
+               allow_special_tokens: bool = False, defaults: Mapping[str, Any] | None = None
+               ) -> ChatRequest:  # fmt: skip
     """Validate a /v1/chat/completions body and render its prompt through the chat template.
 
     Renders and tokenizes (seconds for a multi-megabyte body): handlers run it on the server's worker pool.
@@ -294,94 +294,159 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     Args:
         body: the request's JSON object.
         tokenizer: the served model's tokenizer (None: chat is refused).
-        vocab_size: token ids (logit_bias keys) must be below it.
+        vocab_size: token ids (logit_bias keys, stop_token_ids) must be below it.
         context: tokens one sequence may hold, prompt and completion together.
         allow_special_tokens: special-token text in the messages becomes control tokens (by default it is
             encoded as plain text, see `Tokenizer.encode_chat`).
+        defaults: the server's sampling defaults for unset fields (`sampling_fields`).
 
     Returns:
-        The request with its prompt as token ids (template + tool-call pre-fill).
+        The request with its prompt as token ids (template + pre-fills).
 
     Raises:
         APIError: 400 naming the offending field in `param`.
     """
-    _common_checks(body)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("response_format", "only response_format {'type': 'text'} is supported (no guided decoding)")
+    check_fields(body, CHAT_FIELDS, _CHAT_UNSUPPORTED)
+    common_checks(body)
     if body.get("modalities") not in (None, ["text"]):
-        raise _bad("modalities", "only the text modality is supported")
+        raise bad("modalities", "only the text modality is supported")
+    if flag(body, "add_special_tokens"):
+        raise bad("add_special_tokens", "add_special_tokens true is not supported: the chat template places the "
+                                        "special tokens")  # fmt: skip
     messages, tools = _messages(body), _tools(body)
-    parse, prefill = _tool_choice(body, tools)
+    parse, forced = _tool_choice(body, tools)
     rendered = tools if parse else []
     if tokenizer is None:
-        raise _bad(None, "the served model has no tokenizer: use /v1/completions with token ids")
+        raise bad(None, "the served model has no tokenizer: use /v1/completions with token ids")
+    kwargs = _template_kwargs(body, () if allow_special_tokens else tokenizer.special_token_texts)
+    last = messages[-1]
+    echo = (last["content"] or "") if flag(body, "echo") and last["role"] == "assistant" else ""
+    messages, prefill = _continue_final(body, messages)
+    head = ("\n" if prefill and forced else "") + forced
     try:
-        prompt = tokenizer.encode_chat(messages, tools=rendered or None, head=prefill,
-                                       special_tokens_in_content=allow_special_tokens)  # fmt: skip
+        prompt = tokenizer.encode_chat(messages, tools=rendered or None, prefill=prefill, head=head,
+                                       special_tokens_in_content=allow_special_tokens, **kwargs)  # fmt: skip
     except (ValueError, TypeError) as err:
-        raise _bad("messages", f"the chat template rejected the messages: {err}") from None
-    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top and not _flag(body, "logprobs"):
-        raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+        raise bad("messages", f"the chat template rejected the messages: {err}") from None
+    top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top and not flag(body, "logprobs"):
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    defaults = defaults or {}
     keys = ("max_completion_tokens", "max_tokens")
-    max_tokens = _max_tokens(body, keys, len(prompt), None, "messages", context)
-    top_logprobs = (top or 0) if _flag(body, "logprobs") else None
-    params = _sampling(body, vocab_size, max_tokens=max_tokens, top_logprobs=top_logprobs)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return ChatRequest(prompt, params, _flag(body, "stream"), include_usage, parse, tool_names(rendered), prefill)
+    limit = max_tokens(body, keys, len(prompt), defaults.get("max_tokens"), "messages", context)
+    top_logprobs = (top or 0) if flag(body, "logprobs") else None
+    params = sampling_params(body, vocab_size, max_tokens=limit, top_logprobs=top_logprobs, defaults=defaults)
+    return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered), forced,
+                       echo)  # fmt: skip
 
 
 # ---- legacy completions -------------------------------------------------------------------------------------
-def _prompt_ids(tokenizer: Tokenizer | None, prompt: Any) -> tuple[list[int], str | None]:
+def _prompt_list(prompt: Any) -> tuple[list[str | list[int]], bool]:
+    """(the prompts, whether the client sent a list of several): a string, token ids, or a list of either."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt)):
+        return [prompt], False
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return prompt, len(prompt) > 1
+    raise bad("prompt", "prompt must be a non-empty string, a non-empty list of token ids, or a list of several "
+                        "of either")  # fmt: skip
+
+
+def _prompt_ids(tokenizer: Tokenizer | None, prompt: str | list, where: str, vocab_size: int,
+                add_special_tokens: bool) -> tuple[list[int], str | None]:  # fmt: skip
     """(token ids, the prompt's text when it was given as text)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
-            raise _bad("prompt", "the served model has no tokenizer: send the prompt as token ids")
-        return tokenizer.encode_nogil(prompt), prompt  # special-token text stays special: the prompt is raw
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt), None
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise _bad("prompt", "batched prompts are not supported: send one request per prompt")
-    raise _bad("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+            raise bad("prompt", f"{where}: the served model has no tokenizer: send the prompt as token ids")
+        # special-token text stays special: the prompt is raw
+        return tokenizer.encode_nogil(prompt, add_special_tokens=add_special_tokens), prompt
+    if not isinstance(prompt, list) or not prompt or not all(is_token_id(t) for t in prompt):
+        raise bad("prompt", f"{where} must be a non-empty string or a non-empty list of token ids")
+    outside = [t for t in prompt if not 0 <= t < vocab_size]
+    if outside:
+        raise bad("prompt", f"{where}: prompt token ids outside [0, {vocab_size}): {outside[:5]}")
+    return list(prompt), None
+
+
+@attrs.frozen
+class CompletionPrompt:
+    """One prompt of a completions request: its own engine request."""
+
+    ids: list[int]
+    params: SamplingParams  # max_tokens capped to the room this prompt leaves in the context
+    echo: str  # the prompt's text when `echo`, put before each of its choices' text; "" otherwise
 
 
 @attrs.frozen
 class CompletionRequest:
-    """A validated legacy completions request."""
+    """A validated legacy completions request (one or several prompts)."""
 
-    prompt: list[int]  # token ids
-    params: SamplingParams
+    prompts: tuple[CompletionPrompt, ...]
+    n: int  # completions per prompt: choice index = prompt index * n + j
     logprobs: int | None  # alternatives per token in the legacy logprobs shape; None: no logprobs
-    echo: str  # the prompt's text when `echo`, put before each choice's text; "" otherwise
     stream: bool
     include_usage: bool
+    prompt_logprobs: bool = False  # echo with logprobs: score the prompt tokens too
+    generate: bool = True  # False: max_tokens 0 with echo, the prompts are only echoed (and scored)
 
 
-def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int) -> CompletionRequest:
+def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
+                     defaults: Mapping[str, Any] | None = None, max_sequences: int | None = None
+                     ) -> CompletionRequest:  # fmt: skip
     """Validate a /v1/completions body.
 
     Args:
         body: the request's JSON object.
         tokenizer: the served model's tokenizer (None: only token-id prompts).
-        vocab_size: token ids (prompt, logit_bias keys) must be below it.
+        vocab_size: token ids (prompts, logit_bias keys, stop_token_ids) must be below it.
         context: tokens one sequence may hold, prompt and completion together.
+        defaults: the server's sampling defaults for unset fields (`sampling_fields`).
+        max_sequences: most sequences (prompts times n) a list of prompts may ask for (the engine's waiting
+            queue); None: no limit.
 
     Returns:
-        The request, its prompt as token ids.
+        The request, each prompt as token ids with its own SamplingParams; every prompt is checked (length,
+        token ids, room for max_tokens) before the handler submits any.
 
     Raises:
-        APIError: 400 naming the offending field in `param`.
+        APIError: 400 naming the offending field in `param` (a list's bad prompt: `prompt`, its index in the
+            message).
     """
-    _common_checks(body)
-    ids, text = _prompt_ids(tokenizer, body.get("prompt"))
-    k = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if _flag(body, "echo") and k is not None:
-        raise _bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
-    max_tokens = _max_tokens(body, ("max_tokens",), len(ids), 16, "prompt", context)
-    params = _sampling(body, vocab_size, max_tokens=max_tokens, top_logprobs=k)
-    echo = "" if not _flag(body, "echo") else text if text is not None else tokenizer.decode(ids)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return CompletionRequest(ids, params, k, echo, _flag(body, "stream"), include_usage)
+    check_fields(body, COMPLETION_FIELDS, _COMPLETION_UNSUPPORTED)
+    common_checks(body)
+    prompts, several = _prompt_list(body.get("prompt"))
+    n = integer(body, "n", 1, 1, MAX_N)
+    if several and max_sequences is not None and len(prompts) * n > max_sequences:
+        raise bad("prompt", f"{len(prompts)} prompts x n={n} is more than the {max_sequences} sequences the server "
+                            "queues at once: send fewer prompts per request")  # fmt: skip
+    k = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    echo = flag(body, "echo")
+    add_special = flag(body, "add_special_tokens", True)
+    defaults = defaults or {}
+    explicit = integer(body, "max_tokens", None, 0, None)
+    generate = explicit != 0
+    if not generate and not echo:
+        raise bad("max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt is echoed and scored)")
+    parsed = []
+    for i, prompt in enumerate(prompts):
+        where = f"prompt[{i}]" if several else "prompt"
+        ids, text = _prompt_ids(tokenizer, prompt, where, vocab_size, add_special)
+        if len(ids) > context or (generate and len(ids) == context):
+            raise bad("prompt", f"{where} has {len(ids)} tokens, but the model's context is {context} tokens"
+                                f"{': no room to generate' if generate else ''}")  # fmt: skip
+        if explicit is not None and len(ids) + explicit > context:
+            raise bad("max_tokens", f"{where} has {len(ids)} tokens and max_tokens is {explicit}: {len(ids) + explicit}"
+                                    f" tokens, more than the model's context of {context} tokens")  # fmt: skip
+        parsed.append((ids, text))
+    default = defaults.get("max_tokens", 16)
+    limits = [explicit or min(default, context - len(ids)) if generate else 1 for ids, _ in parsed]
+    params = sampling_params(body, vocab_size, max_tokens=max(limits), top_logprobs=k, defaults=defaults)
+    out = []
+    for i, ((ids, text), limit) in enumerate(zip(parsed, limits, strict=True)):
+        if generate and params.min_tokens > limit:
+            where = f"prompt[{i}]" if several else "prompt"
+            raise bad("min_tokens", f"min_tokens is {params.min_tokens}, but max_tokens for {where} is {limit}")
+        own = params if limit == params.max_tokens else attrs.evolve(params, max_tokens=limit)
+        shown = "" if not echo else text if text is not None else tokenizer.decode(ids) if tokenizer else ""
+        out.append(CompletionPrompt(ids, own, shown))
+    return CompletionRequest(tuple(out), n, k, flag(body, "stream"), include_usage(body),
+                             prompt_logprobs=echo and k is not None, generate=generate)  # fmt: skip

@@ -14,21 +14,27 @@ connection opening or of its first byte (else 408 and close), and connections pa
 answered 503 and closed at once. The body's own deadline and size limit live in `app.Guard`. `server_config`
 always selects this h11-based protocol (also where httptools is installed): HTTP parsing is not what bounds an
 LLM server's throughput.
+
+`with_cors` puts Starlette's CORS middleware in front of the app (outside the guard, so that a browser's preflight
+`OPTIONS`, which carries no API key, is answered); `logging_config` routes astrai's loggers through uvicorn's
+handlers at one level.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import http
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 import h11
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -118,6 +124,29 @@ def server_config(app: ASGIApp, limits: ConnectionLimits | None = None, **kwargs
     protocol = functools.partial(GuardedH11Protocol, limits=limits)
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
                           h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)  # fmt: skip
+
+
+def with_cors(app: ASGIApp, origins: Sequence[str], *, methods: Sequence[str] = ("*",),
+              headers: Sequence[str] = ("*",), credentials: bool = False) -> ASGIApp:  # fmt: skip
+    """`app` behind Starlette's CORSMiddleware allowing `origins` ("*": any), or `app` itself when `origins` is empty.
+
+    The middleware is outermost: it answers preflight requests (OPTIONS with `Origin` and
+    `Access-Control-Request-Method`) before the guard asks for an API key, and adds `access-control-allow-origin`
+    to every response for an allowed origin, errors included (a browser can read a 401). Other origins get no
+    CORS headers (a preflight from one is answered 400), so browsers refuse their cross-origin calls.
+    """
+    if not origins:
+        return app
+    return CORSMiddleware(app, allow_origins=list(origins), allow_methods=list(methods), allow_headers=list(headers),
+                          allow_credentials=credentials)  # fmt: skip
+
+
+def logging_config(level: str = "info") -> dict[str, Any]:
+    """uvicorn's logging config plus the `astrai` loggers (`astrai.serve`: request logs and errors) at `level`,
+    printed through uvicorn's default handler; pass it as `server_config(..., log_config=...)`."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["astrai"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
 
 
 class GracefulServer(uvicorn.Server):

@@ -1,4 +1,5 @@
-"""`ServerState`: what the route handlers share (the engine, the served name, metrics, auth and limits).
+"""`ServerState`: what the route handlers share (the engine, the served name, metrics, auth and limits, sampling
+defaults, whether requests are logged).
 
 Handlers (`openai_api`, `anthropic_api`, `embeddings_api`) and `app` import it; the protocol modules never do:
 they take the tokenizer and the limits they check as arguments.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -18,6 +19,7 @@ import attrs
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
 from astrai.serve.metrics import Metrics
+from astrai.serve.sampling_fields import check_defaults
 
 
 @attrs.define(eq=False)
@@ -34,6 +36,12 @@ class ServerState:
     embeddings: EncoderConfig | None = None  # None: /v1/embeddings answers 404
     tokenizer_workers: int = 4  # requests rendering chat templates / tokenizing at once, each on a worker thread
     allow_special_tokens_in_content: bool = False  # True: special-token text in chat messages is control tokens
+    # defaults for the sampling fields a request leaves unset (`sampling_fields.SAMPLING_DEFAULT_KEYS`; e.g. the
+    # model's generation_config.json, `Model.generation_defaults`); a request's own value always wins
+    sampling_defaults: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=dict, validator=lambda _s, _a, v: check_defaults(v)
+    )
+    log_requests: bool = False  # True: log each request's id, route, prompt (truncated) and sampling params at INFO
     _tokenizing: anyio.CapacityLimiter = attrs.field(
         init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
     )
@@ -55,6 +63,11 @@ class ServerState:
     def vocab_size(self) -> int:
         """The served model's vocabulary size (token ids and logit_bias keys must be below it)."""
         return self.engine.model.config.vocab_size
+
+    @property
+    def max_waiting(self) -> int:
+        """Most sequences the engine queues (a list of prompts times n may not ask for more)."""
+        return self.engine.config.max_waiting
 
     @property
     def context(self) -> int:

@@ -31,6 +31,7 @@ import torch
 
 from astrai.data.batch import LMBatch
 from astrai.io.checkpoint import write_json
+from astrai.io.errors import CheckpointError
 from astrai.io.lora import load_lora, save_lora
 from astrai.io.model import Model, load, save
 from astrai.io.tokenizer import Tokenizer
@@ -103,9 +104,10 @@ def _base_model(
             model_cfg = attrs.evolve(model_cfg, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None)
         params = init_params(attrs.evolve(model_cfg, dtype="float32"), seed=cfg.seed, device=device)
         return model_cfg, params, tokenizer, tuple(model_cfg.eos_token_id)
-    if not Path(cfg.model).is_dir():
-        raise ValueError(f"model {cfg.model!r} is not a model folder (for a named config, pass its ModelConfig)")
-    model = load(cfg.model, dtype=torch.float32, device=device)
+    try:  # a folder or a model id in the local HF cache
+        model = load(cfg.model, dtype=torch.float32, device=device)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err} (for a named config, pass its ModelConfig)") from None
     return model.config, model.params, tokenizer or model.tokenizer, model.eos_token_ids
 
 

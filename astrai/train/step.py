@@ -37,11 +37,11 @@ from torch import Tensor
 from astrai.data.batch import LMBatch, document_ids
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, hidden_states, lm_head_weight
+from astrai.nn.chunked_loss import chunked_cross_entropy
 from astrai.nn.embedding import embed
 from astrai.nn.moe import load_balancing_loss, router_stats
 from astrai.nn.norm import rms_norm
 from astrai.train.fsdp import clip_sharded_, gather_tree
-from astrai.train.loss import chunked_cross_entropy
 from astrai.train.optim import AdamWConfig, AdamWState, adamw_update_, clip_grad_norm_, decay_mask, init_adamw
 from astrai.tree import leaves, pytree, tree_map
 

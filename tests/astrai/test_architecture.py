@@ -35,6 +35,7 @@ RANK = {
     "api": 9,
     "serve": 8,
     "train": 7,
+    "eval": 6.5,  # below train: GRPO's rewards may reuse the evaluation sandbox and verifiers
     "inference": 6,
     "data": 5,
     "io": 4,

@@ -1,12 +1,17 @@
-"""`astrai info / generate / chat` on a saved tiny model, and friendly errors instead of tracebacks."""
+"""`astrai info / generate / chat / serve` on a saved tiny model, and friendly errors instead of tracebacks.
+
+vLLM-style flags (positional MODEL, aliases, CORS, chat templates, generation config): test_conventions.py.
+"""
 
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 
 import httpx
 import pytest
@@ -23,7 +28,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_info_shows_config_and_counts(model_dir, capsys):
-    main(["info", "--model", model_dir])
+    main(["info", str(model_dir)])
     out = capsys.readouterr().out
     model = astrai.load(model_dir)
     assert "qwen3" in out and "num_hidden_layers" in out
@@ -35,8 +40,13 @@ def test_help_lists_every_subcommand_train_included(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
+    lines = out.splitlines()
     for name in ("info", "generate", "chat", "serve", "preprocess", "quickstart", "train"):
-        assert f"• {name}" in out, out
+        (i,) = [i for i, line in enumerate(lines) if f"• {name} " in line]
+        # a one-line description: text beside the name, and the next row is the next bullet or the box's end
+        following = lines[i + 1].strip(" │") if i + 1 < len(lines) else ""
+        assert re.search(rf"• {name}\s+[A-Z]\w+ .*\.", lines[i]), out
+        assert following == "" or following.startswith(("•", "╰")), out
     assert "Train or resume a run" in out
 
 
@@ -56,7 +66,7 @@ def test_model_repr_is_one_short_line(model_dir):
 
 
 def test_generate_streams_the_greedy_completion(model_dir, capsys):
-    main(["generate", "--model", model_dir, "--prompt", "hello world", "--max-tokens", "12"])
+    main(["generate", str(model_dir), "--prompt", "hello world", "--max-tokens", "12"])
     out = capsys.readouterr().out
     model = astrai.load(model_dir)
     expected = astrai.generate(model, ["hello world"], max_tokens=12)[0]
@@ -65,7 +75,7 @@ def test_generate_streams_the_greedy_completion(model_dir, capsys):
 
 def test_chat_uses_the_template_over_turns(model_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi there\nand again\n/exit\n"))
-    main(["chat", "--model", model_dir, "--temperature", "0", "--max-tokens", "8"])
+    main(["chat", str(model_dir), "--temperature", "0", "--max-tokens", "8"])
     out = capsys.readouterr().out
     model = astrai.load(model_dir)
     first = [{"role": "user", "content": "hi there"}]
@@ -95,7 +105,7 @@ class _ServeProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "astrai.cli.main", "serve", "--model", str(model_dir), "--port",
+        self.argv = [sys.executable, "-m", "astrai.cli.main", "serve", str(model_dir), "--port",
                      str(self.port), "--no-compile", "--no-cuda-graphs", *flags]  # fmt: skip
         self.env, self.out, self.returncode = env, "", None
 
@@ -116,35 +126,65 @@ class _ServeProcess:
         self.returncode = self.proc.returncode
 
 
-def test_serve_takes_the_api_key_from_the_environment(model_dir):
-    with _ServeProcess(model_dir, env={**os.environ, "ASTRAI_API_KEY": "from-env"}) as server:
-        url = f"{server.base_url}/v1/models"
+CUSTOM_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+
+
+def test_serve_command_end_to_end(model_dir, tmp_path):
+    """One server start: positional MODEL, ASTRAI_API_KEY, --served-model-name, CORS, --chat-template,
+    --enable-log-requests (shown at the default --log-level info), SIGTERM."""
+    template = tmp_path / "t.jinja"
+    template.write_text(CUSTOM_TEMPLATE)
+    flags = ["--served-model-name", "cli-model", "--allowed-origins", "http://ok.example", "--chat-template",
+             str(template), "--enable-log-requests"]  # fmt: skip
+    with _ServeProcess(model_dir, *flags, env={**os.environ, "ASTRAI_API_KEY": "from-env"}) as server:
+        url, auth = f"{server.base_url}/v1/models", {"Authorization": "Bearer from-env"}
         assert httpx.get(url).status_code == 401  # the key is required although no flag named it
-        assert httpx.get(url, headers={"Authorization": "Bearer from-env"}).status_code == 200
+        models = httpx.get(url, headers=auth)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "cli-model"
+        # CORS: a preflight (no API key) from the allowed origin is answered, with the origin allowed
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx.options(f"{server.base_url}/v1/chat/completions", headers={"Origin": "http://ok.example",
+                                                                              **preflight})  # fmt: skip
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["access-control-allow-origin"] == "http://ok.example"
+        assert "POST" in ok.headers["access-control-allow-methods"]
+        assert httpx.get(url, headers={**auth, "Origin": "http://ok.example"}).headers[
+            "access-control-allow-origin"] == "http://ok.example"  # fmt: skip
+        # another origin gets no CORS grant, on the preflight or the request
+        bad = httpx.options(f"{server.base_url}/v1/chat/completions", headers={"Origin": "http://evil.example",
+                                                                               **preflight})  # fmt: skip
+        assert "access-control-allow-origin" not in bad.headers and bad.status_code == 400
+        assert (
+            "access-control-allow-origin"
+            not in httpx.get(url, headers={**auth, "Origin": "http://evil.example"}).headers
+        )
+        # --chat-template FILE renders the prompt
+        messages = [{"role": "user", "content": "hello"}]
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", headers=auth,
+                           json={"model": "cli-model", "messages": messages, "max_tokens": 1})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        tok = astrai.load(model_dir).tokenizer
+        expected = len(tok.with_chat_template(CUSTOM_TEMPLATE).encode_chat(messages))
+        assert expected != len(tok.encode_chat(messages))  # the two templates tokenize differently
+        assert reply.json()["usage"]["prompt_tokens"] == expected
     assert "from-env" not in server.out  # never logged
-
-
-def test_serve_command_starts_answers_and_stops_on_sigterm(model_dir):
-    with _ServeProcess(model_dir, "--served-model-name", "cli-model", "--api-key", "k") as server:
-        models = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": "Bearer k"})
-        assert models.json()["data"][0]["id"] == "cli-model"
+    assert "prompt=" in server.out and "hello" in server.out, server.out  # --enable-log-requests, shown at info
     # a requested stop that shut down cleanly is a success: status 0 (uvicorn alone re-raises SIGTERM: -15)
     assert server.returncode == 0 and "Application shutdown complete" in server.out, server.out
 
 
 def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkeypatch, capsys):
-    import tyro
-
     import astrai.cli.serve as serve
     import astrai.inference.engine as engine_mod
+    from astrai.cli._common import parse
     from astrai.inference.graphs import GraphCaptureError
 
     def failing_engine(model, config):
         raise GraphCaptureError("capturing the CUDA graph of the decode step for batch 64 failed (...)")
 
     monkeypatch.setattr(engine_mod, "Engine", failing_engine)
-    monkeypatch.setattr(serve, "load_model", lambda *a: None)
+    monkeypatch.setattr(serve, "load_model", lambda *a: types.SimpleNamespace(generation_defaults={}))
     with pytest.raises(SystemExit) as exit_info:
-        serve.main(tyro.cli(serve.ServeConfig, args=["--model", str(tmp_path)]))
+        serve.main(parse(serve.ServeConfig, ["--model", str(tmp_path)]))
     assert exit_info.value.code == 2
     assert "batch 64 failed" in capsys.readouterr().err

@@ -152,10 +152,9 @@ def test_disabled_route_is_404(server):
 
 
 def test_cli_flags_enable_the_route(live, monkeypatch):
-    import tyro
-
     import astrai.cli.serve as cli
     import astrai.serve.server as server_mod
+    from astrai.cli._common import parse
 
     built = []
 
@@ -173,7 +172,7 @@ def test_cli_flags_enable_the_route(live, monkeypatch):
         (["--model", "m", "--embeddings", "--embed-pooling", "cls", "--no-embed-normalize"],
          EncoderConfig(pooling="cls", normalize=False)),
     ]:  # fmt: skip
-        cli.main(tyro.cli(cli.ServeConfig, args=[*argv, "--no-compile"]))
+        cli.main(parse(cli.ServeConfig, [*argv, "--no-compile"]))
         app, engine = built.pop()
         engine.shutdown()
         assert app.state.embeddings == expected

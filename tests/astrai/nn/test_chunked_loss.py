@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.train.loss import chunked_cross_entropy, token_logprobs
+from astrai.nn.chunked_loss import chunked_cross_entropy, token_logprobs
 from helpers import assert_close
 
 N, E, V = 67, 16, 97  # N not a multiple of the chunk sizes below

@@ -1,0 +1,225 @@
+"""OpenAI request fields -> `SamplingParams`, shared by `/v1/chat/completions` and `/v1/completions`: each field's
+type and range check (a 400 naming `param`), the check that a body holds only fields its route knows, and the
+server's sampling defaults.
+
+Fields a route does not list are a 400 naming the field (`check_fields`), so nothing a client sends is silently
+ignored; the few fields accepted on purpose without effect are listed in each route's docstring
+(`openai_protocol`) and in docs/serving.md. A few known fields the server does not implement get a 400 with the
+reason, unless sent as null or false (their "off" value).
+
+Sampling defaults (`SAMPLING_DEFAULT_KEYS`, e.g. a model's generation_config.json, `ServerState.sampling_defaults`)
+fill the fields a request leaves unset (absent or null); a value in the request always wins, as vLLM does.
+`max_tokens` from the defaults replaces the route's own default (the rest of the context for chat, 16 for
+completions) and is still capped to the room the context leaves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from astrai.inference.params import MAX_N, SamplingParams
+from astrai.serve.common import APIError
+
+SAMPLING_DEFAULT_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"})
+"""The SamplingParams fields a server-wide default may set (the keys vLLM takes from generation_config.json)."""
+
+BUILTIN_DEFAULTS: Mapping[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                       "repetition_penalty": 1.0}  # fmt: skip
+"""What an unset sampling field means without server defaults (OpenAI's and vLLM's values)."""
+
+# accepted by both OpenAI routes; each route adds its own (openai_protocol)
+SAMPLING_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "best_of", "max_tokens", "temperature", "top_p", "frequency_penalty",
+    "presence_penalty", "logit_bias", "seed", "stop", "response_format",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
+    "include_stop_str_in_output",
+})  # fmt: skip
+
+# known fields this server does not implement: a 400 with the reason unless null / false
+UNSUPPORTED = {"use_beam_search": "no beam search", "guided_json": "no guided decoding",
+               "guided_regex": "no guided decoding", "guided_choice": "no guided decoding",
+               "guided_grammar": "no guided decoding", "structural_tag": "no guided decoding",
+               "prompt_logprobs": "prompt logprobs are not computed",
+               "allowed_token_ids": "no allowed-token lists", "bad_words": "no bad-word lists",
+               "truncate_prompt_tokens": "prompts are never truncated", "logits_processors": "no custom logits "
+               "processors"}  # fmt: skip
+
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
+
+
+def bad(param: str | None, message: str) -> APIError:
+    """A 400 naming `param`."""
+    return APIError(400, message, param=param)
+
+
+def show(value: Any) -> str:
+    """A short JSON rendering of a client value, for error messages."""
+    return json.dumps(value)[:60]
+
+
+def check_fields(body: dict, allowed: frozenset[str], unsupported: Mapping[str, str]) -> None:
+    """400 for the first field of `body` that is neither in `allowed` nor an `unsupported` field left null/false."""
+    for key, value in body.items():
+        if key in unsupported:
+            if value is not None and value is not False:
+                raise bad(key, f"{key} is not supported by this server ({unsupported[key]})")
+        elif key not in allowed:
+            raise bad(key, f"unknown field {key!r}: this route accepts {', '.join(sorted(allowed))} "
+                           "(docs/serving.md says what each does)")  # fmt: skip
+
+
+# ---- single fields ------------------------------------------------------------------------------------------
+def number(body: dict, key: str, default: Any, lo: float | None, hi: float | None, *, integer: bool = False) -> Any:
+    """body[key] checked to be a number (an int if `integer`) in [lo, hi]; `default` when absent or null."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or value != value:
+        raise bad(key, f"{key} must be {'an integer' if integer else 'a number'}, got {show(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise bad(key, f"{key} must be {bounds}, got {value}")
+    return value
+
+
+def integer(body: dict, key: str, default: Any, lo: int | None, hi: int | None) -> Any:
+    """`number` for integers."""
+    return number(body, key, default, lo, hi, integer=True)
+
+
+def flag(body: dict, key: str, default: bool = False) -> bool:
+    """body[key] checked to be a boolean; `default` when absent or null."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(key, f"{key} must be a boolean, got {show(value)}")
+    return value
+
+
+def is_token_id(value: Any) -> bool:
+    """An int that is not a bool (JSON true/false arrive as bool, a subclass of int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", f"stop must be a non-empty string or a list of them, got {show(body['stop'])}")
+    return tuple(stop)
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(is_token_id(i) for i in ids):
+        raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids (integers), got {show(ids)}")
+    return tuple(ids)
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias") or {}
+    try:
+        if not isinstance(bias, dict) or any(isinstance(v, bool) for v in bias.values()):
+            raise TypeError
+        return tuple((int(k), float(v)) for k, v in bias.items())
+    except (TypeError, ValueError):
+        raise bad("logit_bias", f"logit_bias must map token ids (strings) to numbers, got {show(bias)}") from None
+
+
+def common_checks(body: dict) -> None:
+    """`model`, `stream_options`, `best_of` and `response_format`, which both routes take alike."""
+    if not isinstance(body.get("model", ""), str):
+        raise bad("model", f"model must be a string, got {show(body['model'])}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or not flag(body, "stream"):
+            raise bad("stream_options", "stream_options must be an object, and only given when stream is true")
+        for key in options:
+            if key not in _STREAM_OPTIONS:
+                raise bad(f"stream_options.{key}", f"stream_options.{key} is not supported (include_usage is)")
+        flag(options, "include_usage")
+        if flag(options, "continuous_usage_stats"):
+            raise bad("stream_options.continuous_usage_stats", "usage is sent once, at the end of the stream")
+    best_of = integer(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != integer(body, "n", 1, 1, MAX_N):
+        raise bad("best_of", "best_of must equal n (no server-side best-of selection)")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("response_format", "only response_format {'type': 'text'} is supported (no guided decoding)")
+
+
+def include_usage(body: dict) -> bool:
+    """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+# ---- SamplingParams -----------------------------------------------------------------------------------------
+_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+           "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop", "stop_token_ids",
+           "min_tokens"}  # fmt: skip
+
+
+def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None,
+                    defaults: Mapping[str, Any]) -> SamplingParams:  # fmt: skip
+    """SamplingParams from the request fields, validated; unset fields from `defaults`, then `BUILTIN_DEFAULTS`.
+
+    `top_logprobs` None: no logprobs. Raises APIError 400 naming the field.
+    """
+    d = {**BUILTIN_DEFAULTS, **defaults}
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", d["temperature"], 0.0, 2.0),
+        top_p=number(body, "top_p", d["top_p"], 0.0, 1.0),
+        top_k=integer(body, "top_k", d["top_k"], -1, None),
+        min_p=number(body, "min_p", d["min_p"], 0.0, 1.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=number(body, "repetition_penalty", d["repetition_penalty"], 0.0, None),
+        logit_bias=_logit_bias(body),
+        seed=integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
+        n=integer(body, "n", 1, 1, MAX_N),
+        logprobs=top_logprobs is not None,
+        top_logprobs=top_logprobs or 0,
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=flag(body, "ignore_eos"),
+        min_tokens=integer(body, "min_tokens", 0, 0, None),
+        skip_special_tokens=flag(body, "skip_special_tokens", True),
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
+    )
+    try:
+        params.check(vocab_size)
+    except ValueError as err:  # EngineInputError: `param` names the field
+        field = getattr(err, "param", None)
+        raise bad(field if field in _PARAMS else None, str(err)) from None
+    return params
+
+
+def max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, default: int | None, prompt_param: str,
+               context: int) -> int:  # fmt: skip
+    """The first of `keys` given, else `default` (capped to the room left), else the rest of the `context`."""
+    if prompt_len >= context:
+        raise bad(prompt_param, f"the prompt has {prompt_len} tokens, but the model's context is {context} tokens: "
+                                "no room to generate")  # fmt: skip
+    for key in keys:
+        value = integer(body, key, None, 1, None)
+        if value is not None:
+            return value
+    return context - prompt_len if default is None else min(default, context - prompt_len)
+
+
+def check_defaults(defaults: Mapping[str, Any]) -> None:
+    """ValueError unless `defaults` maps only `SAMPLING_DEFAULT_KEYS` to numbers (ints for top_k, max_tokens)."""
+    for key, value in defaults.items():
+        if key not in SAMPLING_DEFAULT_KEYS:
+            raise ValueError(f"sampling default {key!r} is not one of {sorted(SAMPLING_DEFAULT_KEYS)}")
+        kind = int if key in ("top_k", "max_tokens") else int | float
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"sampling default {key} must be {'an integer' if kind is int else 'a number'}, "
+                             f"got {value!r}")  # fmt: skip
