@@ -73,3 +73,13 @@ def test_moe_smoke_reports_json(tmp_path):
     assert all(r["tok_s"] > 0 for r in report["prefill"])
     by = {(r["model"], r["layout"].split()[0]): r["bytes_per_token"] for r in report["kv_bytes"]}
     assert by[("deepseek-v3", "MLA")] == 61 * 576 * 2 and by[("llama3.1-8b", "GQA")] == 2 * 8 * 128 * 32 * 2
+
+
+def test_grammar_smoke_reports_json(tmp_path):
+    """bench_grammar: every installed engine compiled each schema, kept every valid document's token in its mask."""
+    report = _smoke("bench_grammar.py", tmp_path, timeout=300)
+    assert report["results"] and report["machine"]["cores"] > 0
+    for r in report["results"]:
+        assert set(r["schemas"]) == {"small", "nested", "tool_30"} and r["view_ms"]["median"] > 0
+        assert all(s["mask_ms"]["n"] >= 50 and s["compile_cold_ms"]["median"] > 0 for s in r["schemas"].values())
+        assert r["robustness"]["invalid"] == 0
