@@ -4,6 +4,11 @@ Requests are submitted from any thread (or event loop) and come back as `Request
 yield stream `Delta`s and a final `Completion`. The engine thread loops: take new requests and aborts,
 `Scheduler.schedule`, `ModelRunner.execute`, `Scheduler.update`, then `RequestDelivery` detokenizes and
 delivers (`delivery.py`). This module owns only the threads, submission and validation; see docs/inference.md.
+
+A request with `SamplingParams.grammar` has it compiled in `submit`, on the caller's thread (`compile_grammar`,
+cached; a grammar that does not compile is an `EngineInputError` naming the spec's `param`, never an error in the
+step loop), against one llguidance view of the tokenizer built on first use; each of its n sequences gets its own
+matcher.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import torch
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.errors import EngineInputError
+from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
+from astrai.inference.grammar import compile_grammar as compile_source
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
-from astrai.inference.params import SamplingParams
+from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
 from astrai.inference.runner import ModelRunner
@@ -172,6 +179,8 @@ class Engine:
         self._cv = threading.Condition()
         self._stop, self._error = False, None
         self._generated, self._rate = 0, 0.0
+        self._grammar_view: TokenizerView | None = None
+        self._grammar_lock = threading.Lock()
         self._thread = None
         if cfg.background:
             self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
@@ -218,11 +227,15 @@ class Engine:
         params = params or SamplingParams()
         ids = self._encode(prompt)
         self._validate(ids, params)
+        grammar = self.compile_grammar(params.grammar) if params.grammar is not None else None
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.model.eos_token_ids))  # fmt: skip
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seqs = split_n(ids, params, request_id, seed, next(self._arrival), stop_ids)
+        if grammar is not None:
+            for seq in seqs:
+                seq.matcher = new_matcher(grammar)
         handle = RequestHandle(request_id, abort=self.abort, loop=loop,
                                step=None if self.config.background else self.step)  # fmt: skip
         tracked = RequestDelivery(handle, seqs, self.model.tokenizer, time.perf_counter())
@@ -239,6 +252,32 @@ class Engine:
             self._inbox.append(tracked)
             self._cv.notify()
         return tracked.handle
+
+    def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """Compile `spec` for this engine's tokenizer (cached on the view; the view is built on first use).
+
+        `submit` calls it; the server calls it first on its worker pool, so `submit` finds it cached.
+
+        Raises:
+            EngineInputError: `param` is `spec.param`: the grammar does not compile, or the model has no tokenizer.
+        """
+        spec.check()
+        try:
+            return compile_source(self._view(spec), grammar_source(spec))
+        except GrammarError as err:
+            raise EngineInputError(f"{spec.param}: {err}", param=spec.param) from None
+
+    def _view(self, spec: GrammarSpec) -> TokenizerView:
+        with self._grammar_lock:
+            if self._grammar_view is None:
+                if self.model.tokenizer is None:
+                    raise EngineInputError("this model has no tokenizer: grammars need one", param=spec.param)
+                try:
+                    self._grammar_view = build_view(self.model.tokenizer, vocab_size=self.model.config.vocab_size,
+                                                    eos_token_ids=self.model.eos_token_ids or None)  # fmt: skip
+                except ValueError as err:  # no EOS token: a grammar could never end its sequence
+                    raise EngineInputError(str(err), param=spec.param) from None
+            return self._grammar_view
 
     def _waiting_seqs(self) -> int:
         """Sequences queued: the scheduler's waiting ones and the inbox's requests' (exact under _cv)."""

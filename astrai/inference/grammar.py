@@ -19,7 +19,11 @@ Use, on the host, one matcher per sequence:
     fill_bitmask(matcher, bitmask[r])  or  fill_bitmask_batch(view, [(matcher, r), ...], bitmask)  # GIL released
     accept(matcher, token)   # False (and the matcher unchanged) for a token outside the mask
     is_finished(matcher)     # nothing but EOS can follow (or EOS was accepted)
-The engine integration (overlap with the forward, applying the mask before sampling) is the next increment.
+The engine (docs/inference.md, "Structured output"): `SamplingParams.grammar` is a `GrammarSpec`; `Engine.submit`
+compiles it (`grammar_source` + `compile_grammar`, on the caller's thread) against one view built lazily per engine,
+each sequence gets its own matcher, `ModelRunner` fills the constrained rows' bitmask for the sampler
+(`SamplingBatch.grammar_bitmask`), and `Scheduler.update` advances the matcher with the accepted token and ends the
+sequence ("stop") when the grammar is finished.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from astrai.inference.params import GrammarSpec
 from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer
 
@@ -172,6 +177,34 @@ def lark_grammar(text: str) -> str:
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
     except Exception as e:  # the GBNF converter raises plain Exceptions on syntax errors
         raise GrammarError(f"invalid grammar: {e}") from e
+
+
+def grammar_source(spec: GrammarSpec) -> str:
+    """The llguidance grammar text of a request's `GrammarSpec` (JSON schema text, regex, choices, Lark/GBNF).
+
+    Raises:
+        GrammarError: the schema is not JSON, or the grammar text does not parse.
+    """
+    if spec.kind == "json_object":
+        return json_object_grammar()
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.source)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
+        if not isinstance(schema, dict | bool):
+            raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return json_schema_grammar(schema)
+    if spec.kind == "regex":
+        try:
+            return regex_grammar(spec.source)
+        except Exception as e:  # llguidance checks the pattern at compile time; keep the error type uniform
+            raise GrammarError(f"invalid regex: {e}") from e
+    if spec.kind == "choice":
+        return choice_grammar(spec.source)
+    if spec.kind == "lark":
+        return lark_grammar(spec.source)
+    raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
 # ---- compiled grammars and per-sequence matchers ---------------------------------------------------------------

@@ -16,7 +16,11 @@ is greedy, as 0 is, since dividing logits by it would overflow; `repetition_pena
 penalties and logit_bias values must be 0 or normal float32 numbers (magnitude >= 2**-126, about 1.2e-38). Every
 refused value raises `EngineInputError` (a ValueError) whose `param` names the field.
 
-Not here: `best_of`, beam search, guided decoding, `allowed_token_ids`, bad words.
+Structured output: `grammar` holds a `GrammarSpec` (kind + source, frozen and hashable). `check` validates only its
+shape; the engine compiles it at submit time (`astrai.inference.grammar`), where a grammar that does not compile is
+an `EngineInputError` whose `param` is the spec's `param` (the request field it came from).
+
+Not here: `best_of`, beam search, `allowed_token_ids`, bad words.
 """
 
 from __future__ import annotations
@@ -43,6 +47,45 @@ _F32_MAX = (2 - 2**-23) * 2.0**127  # the largest finite float32
 def _str_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
     # OpenAI accepts `stop` as one string or a list; a bare str must not become a tuple of its characters
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+
+def _choice_source(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@attrs.frozen(kw_only=True)
+class GrammarSpec:
+    """A constraint on the generated text (what to compile; `astrai.inference.grammar.grammar_source` turns it
+    into llguidance's grammar text).
+
+    Attributes:
+        kind: "json_schema" (source: the schema as JSON text), "json_object" (any JSON object; source ""),
+            "regex" (source: a Rust-`regex` pattern, matched in full), "choice" (source: a tuple of strings, one of
+            which is the whole output) or "lark" (source: a Lark grammar, or GBNF as llama.cpp writes it).
+        source: see kind.
+        param: the request field the constraint came from, named in errors (not part of equality).
+    """
+
+    kind: str
+    source: str | tuple[str, ...] = attrs.field(default="", converter=_choice_source)
+    param: str = attrs.field(default="grammar", eq=False)
+
+    def check(self) -> None:
+        """Validate the shape (compilation is the engine's). Raises EngineInputError naming `param`."""
+        if self.kind not in GRAMMAR_KINDS:
+            raise EngineInputError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
+                                   param=self.param)  # fmt: skip
+        if self.kind == "choice":
+            ok = isinstance(self.source, tuple) and self.source and all(isinstance(c, str) for c in self.source)
+            if not ok:
+                raise EngineInputError(f"a choice grammar needs a non-empty list of strings, got {self.source!r}",
+                                       param=self.param)  # fmt: skip
+        elif not isinstance(self.source, str) or (self.kind != "json_object" and not self.source):
+            raise EngineInputError(f"a {self.kind} grammar needs its source text, got {self.source!r}",
+                                   param=self.param)  # fmt: skip
 
 
 def _bias_tuple(value: Mapping[Any, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -81,6 +124,7 @@ class SamplingParams:
     min_tokens: int = 0  # eos / stop ids are masked until this many tokens were generated (<= max_tokens)
     skip_special_tokens: bool = True  # drop special tokens from the decoded text
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    grammar: GrammarSpec | None = None  # constrain the output (compiled by the engine at submit)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -127,6 +171,10 @@ class SamplingParams:
         for i in self.stop_token_ids:
             _token_id("stop_token_ids", i, vocab_size)
         _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, hint=" (at most max_tokens)")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise EngineInputError(f"grammar must be a GrammarSpec, got {self.grammar!r}", param="grammar")
+            self.grammar.check()
 
     def _check_logit_bias(self, vocab_size: int | None) -> None:
         seen: set[int] = set()

@@ -5,6 +5,13 @@ A step whose sequences all feed exactly one token and all sample is a *decode* s
 whose padding rows write to the null page and attend to nothing). Any other step (prefill chunks, prefix-hit
 extends, mixed with decodes) runs `prefill_step` over the flattened tokens with `logits_positions` = the rows
 that sample. Sampling is a separate (compiled) call on the sampled rows only.
+
+Grammar-constrained rows: after the forward is launched and before the sampler runs, the host fills the bitmask
+rows of the sampled sequences that hold a matcher (llguidance's thread pool, GIL released; unconstrained rows are
+all ones, and a step without a constrained row builds no bitmask at all) and sends it with the sampling batch. The
+mask depends only on tokens already accepted, so on CUDA, where the forward (or the replayed decode graph) runs
+asynchronously, the fill overlaps with it; on CPU the forward is synchronous and the fill follows it. The sampler
+is outside the CUDA graphs, so graphs are unaffected.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from torch import Tensor
 
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
+from astrai.inference.grammar import allocate_bitmask, fill_bitmask_batch
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.sampler import SampleOutput, sample
@@ -141,13 +149,26 @@ class ModelRunner:
             return {}
         return self._sample(logits, [plan[i].seq for i in sampling], sampling, vocab_size)
 
+    def _grammar_bitmask(self, seqs: list[Seq], vocab_size: int) -> Tensor | None:
+        """The sampled rows' grammar bitmask on the device (all ones on unconstrained rows); None if none is."""
+        rows = [(s.matcher, j) for j, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        mask = allocate_bitmask(len(seqs), vocab_size, pin_memory=self.cuda)
+        if len(rows) < len(seqs):
+            mask[[j for j, s in enumerate(seqs) if s.matcher is None]] = -1
+        fill_bitmask_batch(rows[0][0].grammar.view, rows, mask)
+        return mask.to(self.device, non_blocking=True)
+
     def _sample(self, logits: Tensor, seqs: list[Seq], index: list[int], vocab_size: int) -> dict[int, SampledToken]:
         top = max(s.params.top_logprobs for s in seqs)
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
+        bitmask = self._grammar_bitmask(seqs, vocab_size)  # the forward is already launched: overlaps on CUDA
         batch = make_sampling_batch(
             [s.params for s in seqs], seeds=[s.seed for s in seqs], steps=[len(s.outputs) for s in seqs],
             vocab_size=vocab_size, device=self.device, prompts=[s.prompt_array() for s in seqs],
             outputs=[s.output_array() for s in seqs], stop_ids=[sorted(s.stop_ids) for s in seqs],
+            grammar_bitmask=bitmask,
         )  # fmt: skip
         out: SampleOutput = self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)
         tokens = out.tokens.tolist()

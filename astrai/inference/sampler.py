@@ -8,6 +8,8 @@ fields are present and two static flags (`needs_sort`, `all_greedy`) that `make_
 batches that don't use a feature don't pay for it (each combination is a separate compiled variant).
 
 Processing order (`process_logits`), on float32 logits [B, V]:
+0. Grammar: where `grammar_bitmask` is present, tokens its row does not allow are set to -inf (unconstrained rows
+   carry all bits set; no bitmask at all when no row is constrained), before anything else.
 1. `logit_bias` is added (OpenAI).
 2. `min_tokens`: the row's stop ids are set to -inf while it has generated fewer than `min_tokens` tokens.
 3. Repetition penalty (HF): logits of tokens seen in the prompt or the output are divided by r when positive,
@@ -30,13 +32,14 @@ rows, their order, the batch size or the device.
 
 NaN policy: a row whose processed logits give no valid choice (NaN anywhere, from the model or from a value
 that overflowed; a penalised logit that overflowed to +inf; or every logit -inf) takes the argmax of its *raw*
-logits instead, NaN read as -inf (token 0 only if every raw logit is NaN or -inf). `SamplingParams.check`
+logits instead, NaN read as -inf (token 0 only if every raw logit is NaN or -inf), with the grammar mask applied,
+so a constrained row still draws an allowed token. `SamplingParams.check`
 refuses the float32 underflows that used to cause this (and treats temperatures below `SAMPLING_EPS` as greedy);
 the fallback keeps a bad row from silently drawing token 0 forever. It costs a few [B, V] reductions and a
 `where`: no host sync, still `fullgraph=True`.
 
-Logprobs are `log_softmax` of the *raw* model logits (before bias, penalties, temperature and filters), as
-vLLM's default `logprobs_mode="raw_logprobs"`; they describe the model, not the processed distribution.
+Logprobs are `log_softmax` of the *raw* model logits (before the grammar mask, bias, penalties, temperature and
+filters), as vLLM's default `logprobs_mode="raw_logprobs"`; they describe the model, not the processed distribution.
 """
 
 from __future__ import annotations
@@ -79,9 +82,25 @@ _OUTPUT_TEMPLATE = SampleOutput(tokens=None)  # type: ignore[arg-type]
 # ---- logits processing -------------------------------------------------------------------------------------
 
 
-def penalize_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Steps 1-4 of the module docstring: bias, min_tokens mask, repetition, frequency/presence. [B, V] f32."""
+def grammar_allowed(batch: SamplingBatch, vocab_size: int) -> Tensor | None:
+    """[B, V] bool unpacked from `batch.grammar_bitmask` (True = allowed), or None without one."""
+    if batch.grammar_bitmask is None:
+        return None
+    bits = torch.arange(32, dtype=torch.int32, device=batch.grammar_bitmask.device)
+    allowed = (batch.grammar_bitmask.unsqueeze(-1) >> bits) & 1  # [B, W, 32]
+    return allowed.flatten(-2)[:, :vocab_size].bool()
+
+
+def penalize_logits(logits: Tensor, batch: SamplingBatch, allowed: Tensor | None = None) -> Tensor:
+    """Steps 0-4 of the module docstring: grammar mask, bias, min_tokens mask, repetition, frequency/presence.
+
+    `allowed` is `grammar_allowed(batch, V)` when the caller already has it. Returns [B, V] f32.
+    """
     x = logits.float()
+    if allowed is None:
+        allowed = grammar_allowed(batch, x.shape[-1])
+    if allowed is not None:
+        x = x.masked_fill(~allowed, _NEG_INF)
     if batch.logit_bias is not None:
         x = x + batch.logit_bias
     if batch.min_tokens_mask is not None:
@@ -149,10 +168,11 @@ def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return out.masked_fill(greedy_rows(batch)[:, None] & not_best, _NEG_INF)
 
 
-def _raw_argmax(logits: Tensor) -> Tensor:
-    """[B] the NaN policy's fallback: argmax of the raw logits with NaN read as -inf."""
+def _raw_argmax(logits: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """[B] the NaN policy's fallback: argmax of the raw logits with NaN (and grammar-forbidden ids) read as -inf."""
     x = logits.float()
-    return x.masked_fill(x.isnan(), _NEG_INF).argmax(dim=-1)
+    bad = x.isnan() if allowed is None else x.isnan() | ~allowed
+    return x.masked_fill(bad, _NEG_INF).argmax(dim=-1)
 
 
 def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_logprobs: bool = False) -> SampleOutput:
@@ -171,7 +191,8 @@ def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_
     Returns:
         `SampleOutput`; logprobs are log_softmax of the raw `logits` (see the module docstring).
     """
-    x = penalize_logits(logits, batch)
+    allowed = grammar_allowed(batch, logits.shape[-1])
+    x = penalize_logits(logits, batch, allowed)
     best = x.argmax(dim=-1)  # [B]
     # amax propagates NaN: False for a row with any NaN, every logit -inf, or an overflow to +inf
     ok = x.amax(dim=-1).isfinite()  # [B]
@@ -183,7 +204,7 @@ def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_
         noise = exponential_noise(batch.seed, batch.step, logits.shape[-1])  # [B, V]
         tokens = torch.where(greedy, best, (probs / noise).argmax(dim=-1))
         ok = ok & (greedy | ~probs.isnan().any(dim=-1))
-    tokens = torch.where(ok, tokens, _raw_argmax(logits))
+    tokens = torch.where(ok, tokens, _raw_argmax(logits, allowed))
     if not (want_logprobs or top_logprobs > 0):
         return replace(_OUTPUT_TEMPLATE, tokens=tokens)
     raw = logits.float().log_softmax(dim=-1)  # [B, V]

@@ -2,7 +2,9 @@
 
 `make_sampling_batch` turns each row's `SamplingParams` (and its prompt/output ids, for penalties) into the
 device tensors `sampler.sample` reads. Optional [B, V] fields and the static flags are set only when some row
-needs them, so batches that don't use a feature don't pay for it.
+needs them, so batches that don't use a feature don't pay for it. A grammar bitmask (`grammar_bitmask`, filled on
+the host by the runner from the constrained rows' matchers) is passed through as it is; a constrained row's
+`min_tokens` does not mask its stop ids (the grammar decides where the output ends).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class SamplingBatch:
             Repetition uses `prompt_mask | output_counts > 0` (whichever are present).
         min_tokens_mask: [B, V] bool, ids forbidden now (the stop ids of rows still under `min_tokens`); None
             when no row needs one.
+        grammar_bitmask: [B, ceil(V / 32)] i32, token v allowed iff bit v % 32 of word v // 32 is set (all bits set
+            on unconstrained rows); None when no row is constrained.
         needs_sort: static; False promises that no sampled row uses top-k or top-p (skips the [B, V] sort).
         all_greedy: static; True promises that every row is greedy (skips filters and noise).
     """
@@ -56,6 +60,7 @@ class SamplingBatch:
     output_counts: Tensor | None = None
     prompt_mask: Tensor | None = None
     min_tokens_mask: Tensor | None = None
+    grammar_bitmask: Tensor | None = None
     needs_sort: bool = static(default=True)
     all_greedy: bool = static(default=False)
 
@@ -96,6 +101,7 @@ def make_sampling_batch(
     prompts: Sequence[Sequence[int] | np.ndarray] | None = None,
     outputs: Sequence[Sequence[int] | np.ndarray] | None = None,
     stop_ids: Sequence[Sequence[int]] | None = None,
+    grammar_bitmask: Tensor | None = None,
 ) -> SamplingBatch:
     """Build the device tensors for one sampling call (host code; params are assumed `check`ed).
 
@@ -108,7 +114,9 @@ def make_sampling_batch(
         prompts: per-row prompt ids (needed for the repetition penalty; None = empty).
         outputs: per-row generated ids (needed for penalties; None = empty).
         stop_ids: per-row ids that end the row (the model's eos unless ignore_eos, plus stop_token_ids);
-            `params.stop_token_ids` are always added. Masked while steps < min_tokens.
+            `params.stop_token_ids` are always added. Masked while steps < min_tokens (not on rows whose params
+            have a grammar: its mask decides when EOS may come).
+        grammar_bitmask: [B, ceil(V / 32)] int32 already on `device` (see `SamplingBatch`), or None.
 
     Returns:
         A `SamplingBatch` whose optional fields and static flags are set only as needed.
@@ -137,7 +145,7 @@ def make_sampling_batch(
         ids, values = [[t for t, _ in b] for b in biases], [v for b in biases for _, v in b]
         logit_bias = _dense(ids, vocab_size, torch.float32, device, "logit_bias", values=values)
     forbid = [
-        sorted({*stop, *p.stop_token_ids}) if step < p.min_tokens else []
+        sorted({*stop, *p.stop_token_ids}) if step < p.min_tokens and p.grammar is None else []
         for p, step, stop in zip(params, steps, stop_ids, strict=True)
     ]
     return SamplingBatch(
@@ -154,6 +162,7 @@ def make_sampling_batch(
         output_counts=_dense(outputs, vocab_size, torch.int32, device, "outputs") if use_counts else None,
         prompt_mask=_dense(prompts, vocab_size, torch.bool, device, "prompts") if use_rep else None,
         min_tokens_mask=_dense(forbid, vocab_size, torch.bool, device, "stop ids") if any(forbid) else None,
+        grammar_bitmask=grammar_bitmask,
         needs_sort=any(not g and (k > 0 or p.top_p < 1) for g, k, p in zip(greedy, top_k, params, strict=True)),
         all_greedy=all(greedy),
     )

@@ -9,9 +9,10 @@ Each `schedule()` call builds one step:
    cache supplies the longest cached full-page prefix, the rest is prefilled in chunks.
 `update()` then advances every scheduled sequence, appends sampled tokens and finishes sequences.
 
-The scheduler is the only writer of a sequence's `status` and `finish_reason`: token-id stops and length end
-sequences in `update`, a stop string found by the engine's text stage ends one through `finish`, and a
-cancellation through `abort`.
+The scheduler is the only writer of a sequence's `status` and `finish_reason`: token-id stops, a finished grammar
+(the accepted token advances a constrained sequence's matcher; when nothing but EOS can follow, the sequence ends
+with "stop" at once, without sampling the EOS) and length end sequences in `update`, a stop string found by the
+engine's text stage ends one through `finish`, and a cancellation through `abort`.
 
 Pages are cached in the radix as soon as their K/V are fully computed (at prefill completion, on preemption
 and at finish), so concurrent requests with a shared prefix and the n > 1 siblings of a request reuse them.
@@ -19,15 +20,19 @@ and at finish), so concurrent requests with a shared prefix and the n > 1 siblin
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import attrs
 
+from astrai.inference.grammar import accept, is_finished, matcher_error
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
 from astrai.inference.seq import Seq, Status
 from astrai.ops.attention import pages_needed
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define
@@ -207,11 +212,22 @@ class Scheduler:
                 seq.logprobs.append(logprob)
             if top is not None:
                 seq.top_logprobs.append(top)
-            reason = seq.check_stop()
+            reason = seq.check_stop() if seq.matcher is None else self._grammar_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    @staticmethod
+    def _grammar_stop(seq: Seq, token: int) -> str | None:
+        """Advance a constrained sequence's matcher by `token`: "stop" once the grammar is finished, else the usual
+        check. The sampler only draws allowed tokens, so a refused one means a broken matcher (a parser limit):
+        the sequence stops rather than emit text the grammar forbids."""
+        if not accept(seq.matcher, token):
+            logger.warning("request %s: the grammar refused token %d (%s); stopping the sequence", seq.id, token,
+                           matcher_error(seq.matcher) or "not allowed")  # fmt: skip
+            return "stop"
+        return "stop" if is_finished(seq.matcher) else seq.check_stop()
 
     def finish(self, seq: Seq, reason: str) -> None:
         """End a sequence with `reason` (the engine calls it when a stop string completes).

@@ -5,17 +5,25 @@ have K/V in the pool (vLLM V1's model). Each step feeds `all_tokens[num_computed
 reaches the end, the step's logits sample the next token. Chunked prefill, prefix-cache hits (num_computed
 starts at the hit length) and recompute after preemption (num_computed back to 0 with the generated tokens
 kept) are all the same rule.
+
+A constrained sequence (`params.grammar`) holds its own grammar `matcher` (astrai.inference.grammar), advanced by
+`Scheduler.update` with every accepted token. It only ever moves forward with `outputs`, so recompute after
+preemption (which keeps the outputs) leaves it valid.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from astrai.inference.params import SamplingParams
+
+if TYPE_CHECKING:
+    from astrai.inference.grammar import Matcher
 
 
 class Status(enum.Enum):
@@ -47,6 +55,7 @@ class Seq:
         status: waiting / running / finished (written by the scheduler only).
         finish_reason: "stop", "length" or "abort" once finished (written by the scheduler only).
         leader: for n > 1, the sequence whose prefill the others wait for (so they hit its cached prompt).
+        matcher: the grammar matcher of a constrained sequence (its own copy; None when unconstrained).
     """
 
     id: str
@@ -66,6 +75,7 @@ class Seq:
     finish_reason: str | None = None
     leader: Seq | None = None
     num_preemptions: int = 0
+    matcher: Matcher | None = None
     _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
     _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
     _output_synced: int = attrs.field(default=0, init=False, repr=False)

@@ -42,6 +42,7 @@ from starlette.routing import Route
 from astrai.inference.engine import EngineDeadError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
+from astrai.inference.params import SamplingParams
 from astrai.inference.score import PromptLogprobs, prompt_logprobs
 from astrai.io.token_bytes import TokenBytes
 from astrai.serve import common
@@ -57,6 +58,16 @@ from astrai.serve.tool_calls import (
     ToolCallStart,
     parse_tool_calls,
 )
+
+
+async def _compile_grammar(state: ServerState, params: SamplingParams) -> None:
+    """Compile a constrained request's grammar on the worker pool (not the event loop); 400 naming the field."""
+    if params.grammar is None:
+        return
+    try:
+        await state.offload(state.engine.compile_grammar, params.grammar)
+    except ValueError as err:  # EngineInputError: `param` names the request field
+        raise APIError(400, str(err), param=getattr(err, "param", None)) from None
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -167,6 +178,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
                                defaults=state.sampling_defaults)  # fmt: skip
+    await _compile_grammar(state, chat.params)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if state.log_requests:
         common.log_request(head["id"], request.url.path, body.get("messages"), chat.params)
@@ -270,6 +282,8 @@ async def _completions(state: ServerState, request: Request) -> Response:
     req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size,
                               context=state.context, defaults=state.sampling_defaults,
                               max_sequences=state.max_waiting)  # fmt: skip
+    if req.prompts:
+        await _compile_grammar(state, req.prompts[0].params)  # every prompt has the same grammar
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip
     if state.log_requests:

@@ -31,10 +31,13 @@ Chat completions accept:
   when it is an assistant's, starts the reply), `add_special_tokens` (false only: the template places them).
 - no-ops: `model` may be any string (the served name is echoed); `user`, `store`, `metadata`, `service_tier`,
   `parallel_tool_calls`, `safety_identifier`, `prompt_cache_key` are accepted and ignored.
-- rejected with a 400: `response_format` other than text (no guided decoding), `functions` / `function_call`
-  (the deprecated API: use tools), `audio` / non-text `modalities`, `chat_template` (per-request templates: start
-  the server with --chat-template), and vLLM fields without an implementation (`sampling_fields.UNSUPPORTED`:
-  guided decoding, beam search, prompt logprobs, ...).
+- structured output (both routes): `response_format` (text, json_object, json_schema) or one of vLLM's
+  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (`sampling_fields.grammar_spec`; the engine
+  compiles it, a grammar that does not compile is a 400 naming the field). Combined with a forced tool call
+  (tool_choice "required" or named) it is a 400: grammar-forced tool calls are not implemented yet.
+- rejected with a 400: `functions` / `function_call` (the deprecated API: use tools), `audio` / non-text
+  `modalities`, `chat_template` (per-request templates: start the server with --chat-template), and vLLM fields
+  without an implementation (`sampling_fields.UNSUPPORTED`: structural tags, beam search, prompt logprobs, ...).
 
 Special-token text in chat messages (a user writing `<|im_end|>`) is encoded as plain text, so only the chat
 template makes control tokens (`astrai serve --allow-special-tokens-in-content` turns that off). A completions
@@ -336,6 +339,9 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     limit = max_tokens(body, keys, len(prompt), defaults.get("max_tokens"), "messages", context)
     top_logprobs = (top or 0) if flag(body, "logprobs") else None
     params = sampling_params(body, vocab_size, max_tokens=limit, top_logprobs=top_logprobs, defaults=defaults)
+    if forced and params.grammar is not None:
+        raise bad(params.grammar.param, f"{params.grammar.param} cannot be combined with a forced tool call "
+                                        "(tool_choice 'required' or a named function) yet")  # fmt: skip
     return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered), forced,
                        echo)  # fmt: skip
 

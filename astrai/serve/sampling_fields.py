@@ -11,6 +11,13 @@ Sampling defaults (`SAMPLING_DEFAULT_KEYS`, e.g. a model's generation_config.jso
 fill the fields a request leaves unset (absent or null); a value in the request always wins, as vLLM does.
 `max_tokens` from the defaults replaces the route's own default (the rest of the context for chat, 16 for
 completions) and is still capped to the room the context leaves.
+
+Structured output (`grammar_spec`), on both routes: `response_format` `{"type": "json_object"}` or
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (`{"type": "text"}` is no constraint), and
+vLLM's `guided_json` (a schema object or its JSON text), `guided_regex`, `guided_choice` (a list of strings) and
+`guided_grammar` (Lark, or GBNF as llama.cpp writes it) become `SamplingParams.grammar`, a `GrammarSpec` whose
+`param` names the field. At most one of them per request (a second is a 400 naming it). The shape is checked here;
+the engine compiles the grammar (`Engine.compile_grammar`; a grammar that does not compile is a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from astrai.inference.params import MAX_N, SamplingParams
+from astrai.inference.params import MAX_N, GrammarSpec, SamplingParams
 from astrai.serve.common import APIError
 
 SAMPLING_DEFAULT_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"})
@@ -35,13 +42,12 @@ SAMPLING_FIELDS = frozenset({
     "presence_penalty", "logit_bias", "seed", "stop", "response_format",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })  # fmt: skip
 
 # known fields this server does not implement: a 400 with the reason unless null / false
-UNSUPPORTED = {"use_beam_search": "no beam search", "guided_json": "no guided decoding",
-               "guided_regex": "no guided decoding", "guided_choice": "no guided decoding",
-               "guided_grammar": "no guided decoding", "structural_tag": "no guided decoding",
+UNSUPPORTED = {"use_beam_search": "no beam search", "structural_tag": "no structural tags (response_format and "
+               "guided_json / guided_regex / guided_choice / guided_grammar are supported)",
                "prompt_logprobs": "prompt logprobs are not computed",
                "allowed_token_ids": "no allowed-token lists", "bad_words": "no bad-word lists",
                "truncate_prompt_tokens": "prompts are never truncated", "logits_processors": "no custom logits "
@@ -133,7 +139,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 
 
 def common_checks(body: dict) -> None:
-    """`model`, `stream_options`, `best_of` and `response_format`, which both routes take alike."""
+    """`model`, `stream_options` and `best_of`, which both routes take alike."""
     if not isinstance(body.get("model", ""), str):
         raise bad("model", f"model must be a string, got {show(body['model'])}")
     options = body.get("stream_options")
@@ -149,9 +155,6 @@ def common_checks(body: dict) -> None:
     best_of = integer(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != integer(body, "n", 1, 1, MAX_N):
         raise bad("best_of", "best_of must equal n (no server-side best-of selection)")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("response_format", "only response_format {'type': 'text'} is supported (no guided decoding)")
 
 
 def include_usage(body: dict) -> bool:
@@ -159,10 +162,79 @@ def include_usage(body: dict) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
+# ---- structured output --------------------------------------------------------------------------------------
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""The request fields that constrain the output; at most one per request."""
+
+
+def _response_format(fmt: Any) -> GrammarSpec | None:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad("response_format", f"response_format must be an object with a type, got {show(fmt)}")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec(kind="json_object", param="response_format")
+    if kind != "json_schema":
+        raise bad("response_format.type", f"response_format type must be text, json_object or json_schema, got "
+                                          f"{show(kind)}")  # fmt: skip
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "response_format json_schema needs a json_schema object "
+                                                 "({'name': ..., 'schema': {...}})")  # fmt: skip
+    if not isinstance(spec.get("name", ""), str):
+        raise bad("response_format.json_schema.name", "json_schema.name must be a string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad("response_format.json_schema.strict", "json_schema.strict must be a boolean")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's schema is optional: then any JSON object
+        return GrammarSpec(kind="json_object", param="response_format")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", f"json_schema.schema must be an object, got {show(schema)}")
+    return GrammarSpec(kind="json_schema", source=json.dumps(schema), param="response_format")
+
+
+def _guided(key: str, value: Any) -> GrammarSpec:
+    if key == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as err:
+                raise bad(key, f"guided_json must be a JSON schema (an object or its JSON text): {err}") from None
+        if not isinstance(value, dict):
+            raise bad(key, f"guided_json must be a JSON schema object, got {show(value)}")
+        return GrammarSpec(kind="json_schema", source=json.dumps(value), param=key)
+    if key == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad(key, f"guided_choice must be a non-empty list of non-empty strings, got {show(value)}")
+        return GrammarSpec(kind="choice", source=tuple(value), param=key)
+    if not isinstance(value, str) or not value:
+        raise bad(key, f"{key} must be a non-empty string, got {show(value)}")
+    return GrammarSpec(kind="regex" if key == "guided_regex" else "lark", source=value, param=key)
+
+
+def grammar_spec(body: dict) -> GrammarSpec | None:
+    """The request's output constraint (module docstring), or None; 400 naming the field for a bad shape or a
+    second constraint."""
+    specs = []
+    for key in GRAMMAR_FIELDS:
+        value = body.get(key)
+        if value is None:
+            continue
+        spec = _response_format(value) if key == "response_format" else _guided(key, value)
+        if spec is None:
+            continue
+        if specs:
+            raise bad(key, f"{key} and {specs[0].param} both constrain the output: give at most one of "
+                           f"{', '.join(GRAMMAR_FIELDS)}")  # fmt: skip
+        specs.append(spec)
+    return specs[0] if specs else None
+
+
 # ---- SamplingParams -----------------------------------------------------------------------------------------
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
            "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop", "stop_token_ids",
-           "min_tokens"}  # fmt: skip
+           "min_tokens", *GRAMMAR_FIELDS}  # fmt: skip
 
 
 def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None,
@@ -192,6 +264,7 @@ def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprob
         min_tokens=integer(body, "min_tokens", 0, 0, None),
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
+        grammar=grammar_spec(body),
     )
     try:
         params.check(vocab_size)

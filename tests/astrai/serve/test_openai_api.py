@@ -323,7 +323,7 @@ BAD = [  # (path, body, status, param or None, words the message must contain)
     ("chat", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", []),
     ("chat", {"messages": USER, "stream": "yes"}, 400, "stream", []),
     ("chat", {"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options", []),
-    ("chat", {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format", []),
+    ("chat", {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format.type", []),
     ("chat", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", ["2048"]),
     ("chat", {"messages": USER, "max_tokens": 5000}, 400, "max_tokens", ["5000", "2048"]),  # engine error
     (
@@ -405,8 +405,14 @@ BAD = [  # (path, body, status, param or None, words the message must contain)
     ("completions", {"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens", []),
     ("completions", {"prompt": "x", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output", []),
     ("completions", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens", []),
-    ("completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex", ["guided decoding"]),
-    ("completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", []),
+    ("completions", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, 400, "guided_choice", ["one"]),
+    (
+        "completions",
+        {"prompt": "x", "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema",
+        [],
+    ),
     (
         "completions",
         {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},

@@ -154,8 +154,8 @@ def test_unknown_fields_are_400s_naming_them(server, client):
         chat(client, frobnicate=True)
     assert err.value.body["param"] == "frobnicate" and "temperature" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", extra_body={"guided_json": {"type": "object"}})
-    assert err.value.body["param"] == "guided_json" and "guided decoding" in err.value.body["message"]
+        client.completions.create(model=MODEL, prompt="x", extra_body={"structural_tag": {"type": "object"}})
+    assert err.value.body["param"] == "structural_tag" and "structural tags" in err.value.body["message"]
     server.script("fine")
     # the deliberate no-ops are accepted
     reply = client.chat.completions.create(model=MODEL, messages=USER, user="u", store=False, metadata={"a": "b"},
