@@ -16,7 +16,7 @@ import cattrs
 from cattrs.v import format_exception
 
 from astrai.nn.lora import LoRAConfig
-from astrai.train.optim import AdamWConfig
+from astrai.train.optim import OptimConfig, as_optim_config
 from astrai.train.schedule import ScheduleConfig
 
 
@@ -44,8 +44,9 @@ class TrainConfig:
     """Micro-batches per optimiser step (global batch = batch_size * grad_accum * ranks)."""
     steps: int = 1000
     """Optimiser steps."""
-    optim: AdamWConfig = AdamWConfig()
-    """AdamW (torch.optim) hyperparameters."""
+    optim: OptimConfig = attrs.field(default=OptimConfig(), converter=as_optim_config)
+    """Optimizer: AdamW (torch.optim) hyperparameters, and `name` muon for Muon on the blocks' matrices (`muon.*`)
+    with AdamW on the rest (an `AdamWConfig` given here means AdamW)."""
     schedule: ScheduleConfig = ScheduleConfig()
     """Learning-rate schedule (total_steps 0 = `steps`)."""
     max_grad_norm: float | None = 1.0

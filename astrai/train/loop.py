@@ -2,9 +2,10 @@
 
 Never compiled itself; each optimiser step calls `TrainStep` (whose loss is compiled), eval calls `eval_sums`;
 both get the trees they read as arguments from the run. Order per step:
-sample a global batch → accumulate micro-batch gradients → all-reduce → clip → AdamW → log the *post-clip*
-step's metrics → eval when due → checkpoint when due (the checkpoint holds the weights *after* that step, so
-resuming from step N replays exactly steps N+1...). SIGTERM/SIGINT finish the current step, save, and return.
+sample a global batch → accumulate micro-batch gradients → all-reduce → clip → AdamW (or Muon + AdamW) → log
+the *post-clip* step's metrics → eval when due → checkpoint when due (the checkpoint holds the weights *after*
+that step, so resuming from step N replays exactly steps N+1...). SIGTERM/SIGINT finish the current step, save,
+and return.
 
 Resume picks the newest checkpoint that verifies against its manifest (`astrai.train.checkpoint`), warning
 about and setting aside newer corrupt ones, or exactly `TrainConfig.resume_from`; a run already at its last
@@ -55,7 +56,7 @@ from astrai.train.config import TrainConfig, config_to_dict
 from astrai.train.data import TrainData, open_data
 from astrai.train.fsdp import full_tree, gather_tree, load_into_shards_, make_mesh, shard_tree
 from astrai.train.metrics import MetricsLog
-from astrai.train.optim import adamw_state_dict, load_adamw_state
+from astrai.train.optim import adamw_state_dict, load_optimizer_state, uses_muon
 from astrai.train.plot import loss_curve_png
 from astrai.train.progress import TrainProgress
 from astrai.train.schedule import lr_at
@@ -206,10 +207,10 @@ class _Run:
             weights = named_tensors(load(path / "model", dtype=torch.float32, device=self.device).params)
         load_into_shards_(self.state.trainable, weights, named_tensors(self.state.trainable))
         if self.sharded:
-            full_opt = load_adamw_state(full_tree(self.state.opt), optimizer)
+            full_opt = load_optimizer_state(full_tree(self.state.opt), optimizer)
             load_into_shards_(self.state.opt, named_tensors(full_opt), named_tensors(self.state.opt))
         else:
-            opt = load_adamw_state(self.state.opt, optimizer)
+            opt = load_optimizer_state(self.state.opt, optimizer)
             self.state = TrainState(trainable=self.state.trainable, opt=to_device(opt, self.device))
         self.data.sampler.load_state_dict(state["sampler"])
         set_rng_state(found.rng)
@@ -313,8 +314,10 @@ def _step(run: _Run, batches: Iterator[list[LMBatch]]) -> dict[str, Any]:
     """One optimiser step; its metrics as host numbers (the step's only sync, shared by logging and checks)."""
     t0 = time.perf_counter()
     micro = _micro_batches(run, batches)
-    lr = lr_at(run.schedule, run.cfg.optim.lr, run.step)
-    metrics = run.step_fn(run.state, micro, lr, run.frozen)
+    optim = run.cfg.optim
+    lr = lr_at(run.schedule, optim.lr, run.step)
+    muon_lr = lr_at(run.schedule, optim.muon.lr, run.step) if uses_muon(optim) and optim.muon.lr is not None else None
+    metrics = run.step_fn(run.state, micro, lr, run.frozen, muon_lr=muon_lr)
     run.step += 1
     values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
     run.tokens_seen += int(values.pop("tokens"))

@@ -11,18 +11,24 @@ head, except embeddings; vectors (norm gains, biases) never decay. The test is b
 a leaf decays iff it has >= 2 dims and its dotted name contains none of "norm", "bias", "embed". A tied LM head is
 the embedding (`embed_tokens.weight`) and therefore does not decay.
 
-Not here: Muon/Nora/Mano (the reference system's matrix optimizers), AMSGrad, ZeRO/FSDP sharded states.
+`OptimConfig` (the run's `--optim.*`) adds the choice of optimizer: `name="muon"` runs Muon
+(`astrai.train.muon`, torch.optim.Muon's math) on the blocks' matrices and this AdamW on everything else, the
+reference system's `muon_adamw` split; `init_optimizer` / `optimizer_update_` / `load_optimizer_state` serve both.
+Under FSDP the leaves are `Shard(0)` DTensors, which torch's functional AdamW accepts as they are.
+
+Not here: Nora/Mano (the reference system's other matrix optimizers), AMSGrad.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
+from astrai.train.muon import MuonConfig, MuonState, init_muon, muon_mask, muon_update_, select
 from astrai.tree import from_named_tensors, leaves, named_leaves, named_tensors, pytree, tree_map
 
 NO_DECAY_KEYWORDS = ("norm", "bias", "embed")
@@ -207,8 +213,112 @@ def adamw_update_(
             )
 
 
+@attrs.frozen(kw_only=True)
+class OptimConfig(AdamWConfig):
+    """The run's optimizer: AdamW alone, or Muon for the blocks' matrices + AdamW (the fields above) for the rest."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every leaf; muon: Muon on the >= 2-D leaves named without norm/bias/embed/lm_head (the
+    blocks' projections), AdamW with its own lr on embeddings, LM head, norms and biases."""
+    muon: MuonConfig = MuonConfig()
+    """Muon hyperparameters (read only when name is muon)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.name not in ("adamw", "muon"):
+            raise ValueError(f"OptimConfig.name must be adamw or muon, got {self.name!r}")
+
+
+def as_optim_config(cfg: AdamWConfig) -> OptimConfig:
+    """`cfg` as an `OptimConfig` (a plain `AdamWConfig` means name="adamw")."""
+    if isinstance(cfg, OptimConfig):
+        return cfg
+    return OptimConfig(**attrs.asdict(cfg, recurse=False))
+
+
+def uses_muon(cfg: AdamWConfig) -> bool:
+    """Whether `cfg` asks for the Muon + AdamW split."""
+    return isinstance(cfg, OptimConfig) and cfg.name == "muon"
+
+
+@pytree
+@attrs.frozen(eq=False)
+class MuonAdamWState:
+    """State of the Muon + AdamW split (checkpoint names `muon.momentum_buffer.<param>`, `adamw.exp_avg.<param>`).
+
+    Attributes:
+        muon: momentum buffers of the Muon leaves (None on the others).
+        adamw: AdamW moments and steps of the other leaves (None on the Muon leaves).
+    """
+
+    muon: MuonState
+    adamw: AdamWState
+
+
+def init_optimizer(params: Any, cfg: AdamWConfig | None = None) -> AdamWState | MuonAdamWState:
+    """Fresh optimizer state for `params`: `init_adamw`, or the Muon + AdamW pair when `uses_muon(cfg)`."""
+    if cfg is None or not uses_muon(cfg):
+        return init_adamw(params, cfg)
+    mask = muon_mask(params)
+    rest = select(params, [not m for m in mask])
+    return MuonAdamWState(muon=init_muon(params, mask), adamw=init_adamw(rest, cfg))
+
+
+def optimizer_update_(
+    params: Any,
+    grads: Any,
+    state: AdamWState | MuonAdamWState,
+    *,
+    lr: float | Tensor,
+    cfg: AdamWConfig,
+    muon_lr: float | None = None,
+    decay: list[bool] | None = None,
+    muon: list[bool] | None = None,
+) -> None:
+    """One optimizer step in place: `adamw_update_`, or Muon on the `muon` leaves and AdamW on the rest.
+
+    Args:
+        params, grads, state, lr, cfg, decay: as `adamw_update_` (`lr` is AdamW's scheduled lr).
+        muon_lr: Muon's scheduled lr (default `lr`); only read when `state` is a `MuonAdamWState`.
+        muon: per-leaf Muon flags (default `muon_mask(params)`), as `init_optimizer` split them.
+    """
+    if not isinstance(state, MuonAdamWState):
+        adamw_update_(params, grads, state, lr=lr, cfg=cfg, decay=decay)
+        return
+    if not isinstance(cfg, OptimConfig):
+        raise ValueError("a Muon + AdamW state needs an OptimConfig (name='muon') for its hyperparameters")
+    if isinstance(lr, Tensor) or isinstance(muon_lr, Tensor):
+        raise ValueError("the Muon + AdamW update takes Python float learning rates")
+    g = leaves(grads)
+    muon = muon_mask(params) if muon is None else list(muon)
+    decay = decay_mask(params) if decay is None else list(decay)
+    if len(g) != len(muon) or len(decay) != len(muon):
+        raise ValueError(f"grads ({len(g)}), decay ({len(decay)}) and muon ({len(muon)}) must line up with params")
+    muon_update_(params, g, state.muon, lr=lr if muon_lr is None else muon_lr, cfg=cfg.muon, mask=muon)
+    rest = [i for i, m in enumerate(muon) if not m]
+    adamw_update_(
+        select(params, [not m for m in muon]), [g[i] for i in rest], state.adamw, lr=lr, cfg=cfg,
+        decay=[decay[i] for i in rest],
+    )  # fmt: skip
+
+
+def load_optimizer_state(
+    template: AdamWState | MuonAdamWState, tensors: dict[str, Tensor]
+) -> AdamWState | MuonAdamWState:
+    """`load_adamw_state` for either kind of state; a checkpoint of the other optimizer is a clear ValueError."""
+    saved_muon = any(name.startswith("muon.") for name in tensors)
+    if saved_muon != isinstance(template, MuonAdamWState):
+        saved, wanted = ("muon", "adamw") if saved_muon else ("adamw", "muon")
+        raise ValueError(
+            f"the checkpoint's optimizer state is {saved}'s, not compatible with --optim.name {wanted}: "
+            f"resume with --optim.name {saved}"
+        )
+    return load_adamw_state(template, tensors)
+
+
 def adamw_state_dict(state: AdamWState) -> dict[str, Tensor]:
-    """`{name: tensor}` view of the state (`exp_avg.<param name>`, `exp_avg_sq.…`, `step.…`) for safetensors."""
+    """`{name: tensor}` view of the state (`exp_avg.<param name>`, `exp_avg_sq.…`, `step.…`; a `MuonAdamWState`
+    gives `muon.momentum_buffer.…` and `adamw.exp_avg.…`) for safetensors."""
     return named_tensors(state)
 
 

@@ -1,4 +1,5 @@
-"""The train step: masked causal-LM loss over packed rows, gradient accumulation, clipping and AdamW.
+"""The train step: masked causal-LM loss over packed rows, gradient accumulation, clipping and the optimizer
+(AdamW, or Muon + AdamW).
 
 `train_loss` is a pure function of its arguments (trainable tree, frozen tree, batch, normaliser) with the
 static settings (model config, step options, `to_params`) bound by `functools.partial`; it is what gets
@@ -42,7 +43,17 @@ from astrai.nn.embedding import embed
 from astrai.nn.moe import load_balancing_loss, router_stats
 from astrai.nn.norm import rms_norm
 from astrai.train.fsdp import clip_sharded_, gather_tree
-from astrai.train.optim import AdamWConfig, AdamWState, adamw_update_, clip_grad_norm_, decay_mask, init_adamw
+from astrai.train.muon import muon_mask
+from astrai.train.optim import (
+    AdamWConfig,
+    AdamWState,
+    MuonAdamWState,
+    clip_grad_norm_,
+    decay_mask,
+    init_optimizer,
+    optimizer_update_,
+    uses_muon,
+)
 from astrai.tree import leaves, pytree, tree_map
 
 
@@ -74,10 +85,11 @@ class StepOptions:
 @pytree
 @attrs.frozen(eq=False)
 class TrainState:
-    """What the optimiser updates: the trainable tree (leaves require grad) and its AdamW state."""
+    """What the optimiser updates: the trainable tree (leaves require grad) and its optimizer state (AdamW, or
+    Muon + AdamW)."""
 
     trainable: Any
-    opt: AdamWState
+    opt: AdamWState | MuonAdamWState
 
 
 def is_packed(batch: LMBatch) -> bool:
@@ -200,9 +212,10 @@ def eval_sums(
 
 
 def init_train_state(trainable: Any, optim: AdamWConfig | None = None) -> TrainState:
-    """Detached leaves that require grad (fp32 master copies are the caller's choice) + fresh AdamW state."""
+    """Detached leaves that require grad (fp32 master copies are the caller's choice) + fresh optimizer state
+    (AdamW, or Muon + AdamW when `optim` is an `OptimConfig` with name "muon")."""
     trainable = tree_map(lambda t: t.detach().requires_grad_(True), trainable)
-    return TrainState(trainable=trainable, opt=init_adamw(trainable, optim))
+    return TrainState(trainable=trainable, opt=init_optimizer(trainable, optim))
 
 
 def _world() -> int:
@@ -241,15 +254,23 @@ class TrainStep:
         self.opts, self.optim = opts, optim
         self.sharded = sharded  # trainable leaves are Shard(0) DTensors (astrai.train.fsdp)
         self.decay = decay_mask(trainable)  # from the tree's names and shapes only
+        self.muon = muon_mask(trainable) if uses_muon(optim) else None
         loss = functools.partial(train_loss, cfg=cfg, opts=opts, to_params=to_params)
         self.loss = torch.compile(loss) if opts.compile else loss
 
     def __call__(
-        self, state: TrainState, micro_batches: Sequence[LMBatch], lr: float, frozen: Any = None
+        self,
+        state: TrainState,
+        micro_batches: Sequence[LMBatch],
+        lr: float,
+        frozen: Any = None,
+        *,
+        muon_lr: float | None = None,
     ) -> dict[str, Tensor]:
         """Accumulate gradients over `micro_batches`, sync ranks, clip, update; returns fp32 scalar metrics.
 
-        `frozen` is the tree that does not train (the LoRA base), passed to the loss as an input.
+        `frozen` is the tree that does not train (the LoRA base), passed to the loss as an input. `lr` is the
+        (AdamW) learning rate of this step, `muon_lr` the Muon matrices' one (default `lr`; Muon runs only).
         """
         if not micro_batches:
             raise ValueError("a train step needs at least one micro-batch")
@@ -278,7 +299,10 @@ class TrainStep:
                 _all_reduce_sum_([total, *stats.values(), *grads])
             grad_norm = clip_grad_norm_(grads, self.opts.max_grad_norm)
         with torch.no_grad():
-            adamw_update_(state.trainable, grads, state.opt, lr=lr, cfg=self.optim, decay=self.decay)
+            optimizer_update_(
+                state.trainable, grads, state.opt, lr=lr, cfg=self.optim, muon_lr=muon_lr, decay=self.decay,
+                muon=self.muon,
+            )  # fmt: skip
         for p in params:
             p.grad = None
         means = {name: value / (len(micro_batches) * world) for name, value in stats.items()}
