@@ -2,7 +2,8 @@
 
 MODEL is a folder or a Hugging Face model id in the local HF cache (`--model MODEL` works too). Binds 127.0.0.1
 by default. SIGINT/SIGTERM stop accepting connections, let in-flight requests finish for up to
-`--graceful-timeout` seconds, then end the rest (finish_reason "abort") and free their KV. `--embeddings` also
+`--graceful-timeout` seconds, then end the rest (finish_reason "abort") and free their KV. `--tool-call-parser`
+names the model's tool-call format (default: detected from the chat template). `--embeddings` also
 serves `POST /v1/embeddings` (`--embed-pooling mean|cls|last`, `--no-embed-normalize`). Older astrai spellings
 stay as aliases (`--max-running` for `--max-num-seqs`, `--max-step-tokens` for `--max-num-batched-tokens`).
 """
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+ToolCallParserName = Literal["hermes", "mistral", "llama3_json", "qwen3_coder", "deepseek_v3"]
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +97,9 @@ class ServeConfig(ModelArgs):
     """Log level of uvicorn and astrai's loggers: debug, info, warning, error or critical."""
     enable_log_requests: bool = False
     """Log each request's prompt text (a debug aid: request logs otherwise never carry prompts or the API key)."""
+    tool_call_parser: ToolCallParserName | None = None
+    """Format of the model's tool calls (vLLM's names). Default: detected from the chat template ([TOOL_CALLS]:
+    mistral, <function=: qwen3_coder, <|python_tag|>: llama3_json, tool▁calls▁begin: deepseek_v3, else hermes)."""
     embeddings: bool = False
     """Also serve POST /v1/embeddings: the model's blocks run bidirectionally, pooled per input."""
     embed_pooling: Literal["mean", "cls", "last"] = "mean"
@@ -177,7 +182,8 @@ def main(cfg: ServeConfig) -> None:
                     allowed_hosts=cfg.allowed_hosts or None, metrics_public=cfg.metrics_public,
                     tokenizer_workers=cfg.tokenizer_workers,
                     allow_special_tokens_in_content=cfg.allow_special_tokens_in_content,
-                    log_requests=cfg.enable_log_requests, sampling_defaults=defaults)  # fmt: skip
+                    log_requests=cfg.enable_log_requests, sampling_defaults=defaults,
+                    tool_call_parser=cfg.tool_call_parser)  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

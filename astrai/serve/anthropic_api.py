@@ -50,7 +50,8 @@ from astrai.serve.common import (
     submit,
 )
 from astrai.serve.state import ServerState
-from astrai.serve.tool_calls import TextDelta, ToolCallArgs, ToolCallEnd, ToolCallParser, ToolCallStart
+from astrai.serve.tool_calls import TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from astrai.serve.tool_parsers import new_parser, tool_schemas
 
 
 class BlockWriter:
@@ -133,12 +134,14 @@ def assemble(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 class Generation:
     """One request's deltas -> content-block events, plus the stop reason and token usage."""
 
-    def __init__(self, req: MessagesRequest) -> None:
+    def __init__(self, req: MessagesRequest, parser: str = "hermes") -> None:
+        """`parser`: the server's tool-call format (a forced call is grammar-constrained Hermes markup)."""
         self.stops, self.text, self.output_tokens = req.stop, "", 0
         self.finish: str | None = None
         self.matched: str | None = None
         names = req.tool_names
-        self.parser = ToolCallParser(names, prefix=req.forced) if names else None
+        forced = self.forced = req.forced is not None
+        self.parser = new_parser(parser, names, tool_schemas(req.tools), forced=forced) if names else None
         self.writer = BlockWriter(req.single_call)
 
     def feed(self, delta: Delta) -> list[dict[str, Any]]:
@@ -163,7 +166,7 @@ class Generation:
         """Anthropic's stop_reason for the finished generation."""
         if self.matched is not None:
             return "stop_sequence"
-        if self.finish == "length":
+        if self.finish == "length" and not (self.forced and self.writer.calls):  # a cut-short forced call is dropped
             return "max_tokens"
         return "tool_use" if self.writer.calls else "end_turn"
 
@@ -196,12 +199,17 @@ def routes(state: ServerState) -> list[Route]:
     async def messages(request: Request) -> Response:
         req = parse_request(await json_body(request))
         ids = await prompt_ids(req)
-        params = sampling_params(req, state.sampling_defaults)
+        params = sampling_params(req, state.sampling_defaults, state.tokenizer)
+        if params.grammar is not None:  # compiled off the event loop; a tool schema it cannot take is a 400
+            try:
+                await state.offload(state.engine.compile_grammar, params.grammar)
+            except ValueError as err:
+                raise APIError(400, str(err)) from None
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": state.model_name}
         if state.log_requests:
             log_request(head["id"], request.url.path, list(req.messages), params)
         handle = submit(state.engine, ids, params, busy_status=529)
-        gen = Generation(req)
+        gen = Generation(req, state.tool_parser)
         source = state.metrics.observe(deltas(request, handle), len(ids))
         if req.stream:
             usage = {"input_tokens": len(ids), "output_tokens": 0}

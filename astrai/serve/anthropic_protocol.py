@@ -21,8 +21,9 @@ Request (JSON; validated like the real API, every error a 400 in Anthropic's sha
 Prompt: the chat template renders the system message first, then the turns: text blocks joined by "\\n",
 assistant `tool_use` blocks as OpenAI-style `tool_calls` (arguments as a dict), `tool_result` blocks as `tool`
 messages (content prefixed with "Error: " when `is_error`). Tools are rendered unless tool_choice is none;
-"any" pre-fills the assistant turn with `<tool_call>\\n{"name": "` and "tool" with the named call's head, which
-the tool-call parser (`astrai.serve.tool_calls`) treats as already generated. Special-token text anywhere in the
+"any" and "tool" constrain the output with a grammar (`sampling_params`): only Hermes `<tool_call>` calls to one
+of the tools (or the named one) whose input matches its `input_schema`, so the forced call always parses (by the
+hermes parser, whatever the server's `tool_call_parser`). Special-token text anywhere in the
 client's strings (`<|im_end|>` in a message) is encoded as plain text, so only the chat template makes control
 tokens (`astrai serve --allow-special-tokens-in-content` turns that off).
 
@@ -36,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from astrai.inference.params import SamplingParams
+from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.serve.common import APIError
-from astrai.serve.tools_common import FORCE_ANY, TOOL_NAME, force_tool, function_tool, template_call, tool_names
+from astrai.serve.tools_common import TOOL_NAME, forced_call_grammar, function_tool, template_call, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -57,7 +58,7 @@ class MessagesRequest:
         max_tokens: tokens to generate at most.
         messages: chat-template messages, the system message first.
         tools: OpenAI-style tool dicts to render (empty: none, also when tool_choice is none).
-        forced: tool-call head pre-filled by tool_choice any/tool ("" otherwise); the parser's prefix.
+        forced: the call tool_choice forces: None (not forced), "" (any: one of the tools) or the tool's name.
         prefill: text of a final assistant message, continued by the model and not repeated in the reply.
         single_call: keep only the first tool call (disable_parallel_tool_use).
         stop: stop sequences.
@@ -69,7 +70,7 @@ class MessagesRequest:
     max_tokens: int
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
-    forced: str = ""
+    forced: str | None = None
     prefill: str = ""
     single_call: bool = False
     stop: tuple[str, ...] = ()
@@ -202,8 +203,9 @@ def _conversation(raw: list) -> tuple[list[dict[str, Any]], str]:
     return chat, prefill
 
 
-def _tools(raw: list, choice: Any) -> tuple[tuple[dict[str, Any], ...], str, bool]:
-    """(OpenAI-style tools to render, the pre-fill forcing a call, single_call) from `tools` and `tool_choice`."""
+def _tools(raw: list, choice: Any) -> tuple[tuple[dict[str, Any], ...], str | None, bool]:
+    """(OpenAI-style tools to render, the forced call (None, "" any, a name), single_call) from `tools` and
+    `tool_choice`."""
     out, names = [], set()
     for i, tool in enumerate(raw):
         where = f"tools.{i}"
@@ -221,7 +223,7 @@ def _tools(raw: list, choice: Any) -> tuple[tuple[dict[str, Any], ...], str, boo
         description = None if tool.get("description") is None else _req(tool, "description", "string", where)
         names.add(name)
         out.append(function_tool(name, description, schema))
-    kind, forced, single = "auto", "", False
+    kind, forced, single = "auto", None, False
     if choice is not None:
         kind = _check(choice, "object", "tool_choice").get("type")
         if kind not in ("auto", "any", "tool", "none"):
@@ -233,8 +235,8 @@ def _tools(raw: list, choice: Any) -> tuple[tuple[dict[str, Any], ...], str, boo
             name = _req(choice, "name", "string", "tool_choice")
             if name not in names:
                 raise _bad("tool_choice.name", f"tool {name!r} is not one of the tools {sorted(names)}")
-            forced = force_tool(name)
-        forced = FORCE_ANY if kind == "any" else forced
+            forced = name
+        forced = "" if kind == "any" else forced
     return (() if kind == "none" else tuple(out)), forced, single
 
 
@@ -279,29 +281,37 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
 
 def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_special_tokens: bool = False
                   ) -> list[int]:  # fmt: skip
-    """Prompt token ids: the rendered conversation, then the assistant pre-fill and the forced tool-call head.
+    """Prompt token ids: the rendered conversation, then the assistant pre-fill.
 
     Special-token text in the client's strings (pre-fill included) is encoded as plain text unless
     `allow_special_tokens` (see `Tokenizer.encode_chat`). Seconds for a huge body: handlers run it off the loop.
     """
     if tokenizer is None:
         raise APIError(400, "the served model has no tokenizer, so it cannot take chat messages")
-    head = ("\n" if req.prefill and req.forced else "") + req.forced
     try:
         return tokenizer.encode_chat(list(req.messages), tools=list(req.tools) or None, prefill=req.prefill,
-                                     head=head, special_tokens_in_content=allow_special_tokens)  # fmt: skip
+                                     special_tokens_in_content=allow_special_tokens)  # fmt: skip
     except ValueError as err:
         raise APIError(400, f"the chat template rejected the conversation: {err}") from None
 
 
-def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None, tokenizer: Tokenizer | None = None
+                    ) -> SamplingParams:  # fmt: skip
     """Engine settings, unset ones from the server's sampling `defaults` (`max_tokens` is the request's own).
 
-    Stop strings are kept in the output so the reply can tell which one matched.
+    Stop strings are kept in the output so the reply can tell which one matched. A forced call (tool_choice
+    any / tool) is a grammar (`tools_common.forced_call_grammar`: Hermes calls whose input matches the tool's
+    schema; one call with `disable_parallel_tool_use`); `tokenizer` tells whether `<tool_call>` is a special token.
     """
+    grammar, keep_special = None, False
+    if req.forced is not None:
+        source, keep_special = forced_call_grammar(req.tools, req.forced or None, parallel=not req.single_call,
+                                                   tokenizer=tokenizer)  # fmt: skip
+        grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
     return SamplingParams(max_tokens=req.max_tokens, stop=req.stop, include_stop_str_in_output=bool(req.stop),
                           temperature=d["temperature"] if req.temperature is None else float(req.temperature),
                           top_p=d["top_p"] if req.top_p is None else float(req.top_p),
                           top_k=d["top_k"] if req.top_k is None else req.top_k,
-                          min_p=d["min_p"], repetition_penalty=d["repetition_penalty"])  # fmt: skip
+                          min_p=d["min_p"], repetition_penalty=d["repetition_penalty"], grammar=grammar,
+                          skip_special_tokens=not keep_special)  # fmt: skip

@@ -12,8 +12,12 @@ Usage counts tokens (all n completions) with `prompt_tokens_details.cached_token
 Logprobs cover every generated token (a final eos included), with each token's own UTF-8 `bytes`; -inf is
 reported as -9999.0, since JSON has no infinity. Streams: a role chunk per choice, content / tool_calls deltas
 (a call's id and name first with `arguments: ""`, then its arguments), one finish chunk per choice, a usage
-chunk with `choices: []` when asked, then `data: [DONE]`. Not enforced: `parallel_tool_calls: false`. A forced
-call (tool_choice "required" / named) that the model fails to complete comes back as text.
+chunk with `choices: []` when asked, then `data: [DONE]`. Tool calls are parsed by the server's tool-call parser
+(`ServerState.tool_parser`, `astrai.serve.tool_parsers`); a forced call (tool_choice "required" / named) is
+grammar-constrained to Hermes markup (`openai_protocol`), parsed by the hermes parser, so it always parses and
+finishes with "tool_calls" (when the token budget cuts a further parallel call short, that call is dropped and the
+reply, its complete calls, still finishes with "tool_calls"). `parallel_tool_calls: false` is enforced for forced
+calls only.
 
 A completions request with a list of prompts submits one engine request per prompt (all or none: if the queue
 fills up midway, the queued ones are aborted and the client gets a 429); choice `index` is `prompt_index * n +
@@ -49,15 +53,8 @@ from astrai.serve import common
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from astrai.serve.state import ServerState
-from astrai.serve.tool_calls import (
-    Event,
-    TextDelta,
-    ToolCall,
-    ToolCallArgs,
-    ToolCallParser,
-    ToolCallStart,
-    parse_tool_calls,
-)
+from astrai.serve.tool_calls import Event, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
+from astrai.serve.tool_parsers import new_parser, parse
 
 
 async def _compile_grammar(state: ServerState, params: SamplingParams) -> None:
@@ -77,10 +74,12 @@ def _usage(completion: Completion) -> dict:
             "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}  # fmt: skip
 
 
-def _finish(reason: str | None, has_calls: bool) -> str:
+def _finish(reason: str | None, has_calls: bool, forced: bool = False) -> str:
     if reason == "abort":  # only on engine shutdown: a client that disconnected reads nothing
         raise APIError(503, "the request was aborted: the server is shutting down", type="server_error")
-    return "tool_calls" if has_calls and reason == "stop" else reason or "stop"
+    # a forced output that the budget cut in a further parallel call: that call was dropped, the reply is complete
+    done = reason == "stop" or (forced and reason == "length")
+    return "tool_calls" if has_calls and done else reason or "stop"
 
 
 def _stream_end(head: dict, handle: RequestHandle, include_usage: bool) -> list[str]:
@@ -143,7 +142,8 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**head, "choices": [choice], **tail})
 
-    parsers = [ToolCallParser(chat.tool_names, chat.prefill) for _ in range(chat.params.n)]
+    parsers = [new_parser(state.tool_parser, chat.tool_names, chat.tool_schemas, forced=chat.forced)
+               for _ in range(chat.params.n)]  # fmt: skip
     for i in range(chat.params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
         if chat.echo:
@@ -161,7 +161,7 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
             for k, delta in enumerate(_chunk_deltas(events) or ([{"content": ""}] if lp else [])):
                 yield chunk(d.index, delta, lp if k == 0 else None)  # each token's logprob goes out once
             if d.finish_reason:
-                yield chunk(d.index, {}, None, _finish(d.finish_reason, bool(parser.calls)))
+                yield chunk(d.index, {}, None, _finish(d.finish_reason, bool(parser.calls), chat.forced))
     except APIError as err:
         yield _error_event(err)
         return
@@ -189,7 +189,8 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     completion = await _collect(state, request, handle, len(chat.prompt))
     texts, choices = TokenBytes(state.tokenizer), []
     for out in completion.outputs:
-        text, calls = parse_tool_calls(out.text, chat.tool_names, chat.prefill) if chat.parse else (out.text, [])
+        text, calls = (parse(state.tool_parser, out.text, chat.tool_names, chat.tool_schemas, forced=chat.forced)
+                       if chat.parse else (out.text, []))  # fmt: skip
         text = chat.echo + text
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
@@ -197,7 +198,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         lp = None
         if chat.params.wants_logprobs:
             lp = _chat_logprobs(texts, out.token_ids, out.logprobs, out.top_logprobs)
-        reason = _finish(out.finish_reason, bool(calls))
+        reason = _finish(out.finish_reason, bool(calls), chat.forced)
         choices.append({"index": out.index, "message": message, "logprobs": lp, "finish_reason": reason})
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(completion)})
 

@@ -11,10 +11,12 @@ Chat completions accept:
   through the model's chat template, so tool results are seen on the next turn.
 - `tools` (type "function": name matching ^[a-zA-Z0-9_-]{1,64}$, unique; optional description and an object
   JSON-schema `parameters`) and `tool_choice`: "none" (tools not rendered, output not parsed), "auto" (default
-  with tools), "required" (the assistant turn is pre-filled with `<tool_call>\\n{"name": "`), or
-  `{"type": "function", "function": {"name": ...}}` (pre-filled up to `"arguments": `). The output is parsed by
-  `astrai.serve.tool_calls` (Hermes `<tool_call>` markup or bare JSON); parsed calls come back as `tool_calls`
-  with `arguments` a JSON string of an object, and finish_reason "tool_calls".
+  with tools: unconstrained), "required" or `{"type": "function", "function": {"name": ...}}`: a grammar
+  (`tools_common.forced_call_grammar`, `SamplingParams.grammar` with param "tool_choice") lets the model write
+  only Hermes `<tool_call>` calls to one of the tools (or the named one) whose arguments match its parameters,
+  then end; `parallel_tool_calls: false` allows exactly one call, true / absent one or more. The output is parsed
+  by the server's tool-call parser (`astrai.serve.tool_parsers`; forced calls by the hermes one); parsed calls
+  come back as `tool_calls` with `arguments` a JSON string of an object, and finish_reason "tool_calls".
 - sampling: `n` (<= 16), `temperature` [0, 2], `top_p`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
   `seed`, `stop` (a string or <= 16 strings), `max_tokens` / `max_completion_tokens` (default: the server's
   sampling default, else the rest of the context), `logprobs` + `top_logprobs` (0..20), `stream` +
@@ -30,11 +32,12 @@ Chat completions accept:
   `add_generation_prompt` (true only, or false with `continue_final_message`), `echo` (the final message's text,
   when it is an assistant's, starts the reply), `add_special_tokens` (false only: the template places them).
 - no-ops: `model` may be any string (the served name is echoed); `user`, `store`, `metadata`, `service_tier`,
-  `parallel_tool_calls`, `safety_identifier`, `prompt_cache_key` are accepted and ignored.
+  `parallel_tool_calls` (except with a forced call), `safety_identifier`, `prompt_cache_key` are accepted and
+  ignored.
 - structured output (both routes): `response_format` (text, json_object, json_schema) or one of vLLM's
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (`sampling_fields.grammar_spec`; the engine
   compiles it, a grammar that does not compile is a 400 naming the field). Combined with a forced tool call
-  (tool_choice "required" or named) it is a 400: grammar-forced tool calls are not implemented yet.
+  (tool_choice "required" or named, itself a grammar) it is a 400: two constraints on one output.
 - rejected with a 400: `functions` / `function_call` (the deprecated API: use tools), `audio` / non-text
   `modalities`, `chat_template` (per-request templates: start the server with --chat-template), and vLLM fields
   without an implementation (`sampling_fields.UNSUPPORTED`: structural tags, beam search, prompt logprobs, ...).
@@ -64,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams
 from astrai.serve.sampling_fields import (
     SAMPLING_FIELDS,
     UNSUPPORTED,
@@ -79,7 +82,8 @@ from astrai.serve.sampling_fields import (
     sampling_params,
     show,
 )
-from astrai.serve.tools_common import FORCE_ANY, TOOL_NAME, force_tool, function_tool, template_call, tool_names
+from astrai.serve.tool_parsers import tool_schemas
+from astrai.serve.tools_common import TOOL_NAME, forced_call_grammar, function_tool, template_call, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -195,22 +199,22 @@ def _tools(body: dict) -> list[dict]:
     return [_tool(tool, f"tools[{i}]", seen) for i, tool in enumerate(tools)]
 
 
-def _tool_choice(body: dict, tools: list[dict]) -> tuple[bool, str]:
-    """(whether tools are rendered and parsed, the assistant-turn pre-fill that forces a call)."""
+def _tool_choice(body: dict, tools: list[dict]) -> tuple[bool, str | None]:
+    """(whether tools are rendered and parsed, the forced call: None (not forced), "" (any tool) or a name)."""
     choice = body.get("tool_choice")
     if choice in (None, "auto", "none"):
-        return bool(tools) and choice != "none", ""
+        return bool(tools) and choice != "none", None
     if choice == "required":
         if not tools:
             raise bad("tool_choice", "tool_choice 'required' needs tools")
-        return True, FORCE_ANY
+        return True, ""
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise bad("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
                                   "{'type': 'function', 'function': {'name': ...}}")  # fmt: skip
     if fn["name"] not in tool_names(tools):
         raise bad("tool_choice", f"tool_choice names the function {fn['name']!r}, which is not in tools")
-    return True, force_tool(fn["name"])
+    return True, fn["name"]
 
 
 def _has_special_text(value: Any, texts: tuple[str, ...]) -> bool:
@@ -283,8 +287,9 @@ class ChatRequest:
     include_usage: bool
     parse: bool  # whether tool calls are parsed from the output (tools given, tool_choice not "none")
     tool_names: tuple[str, ...]
-    prefill: str  # the forced tool-call head (the tool-call parser's prefix)
+    forced: bool  # tool_choice "required" / named: the grammar forces Hermes calls (parsed by the hermes parser)
     echo: str = ""  # text put before each choice's content (`echo` with a final assistant message)
+    tool_schemas: dict[str, Any] = attrs.Factory(dict)  # name -> parameters of the rendered tools
 
 
 def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
@@ -325,9 +330,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     last = messages[-1]
     echo = (last["content"] or "") if flag(body, "echo") and last["role"] == "assistant" else ""
     messages, prefill = _continue_final(body, messages)
-    head = ("\n" if prefill and forced else "") + forced
     try:
-        prompt = tokenizer.encode_chat(messages, tools=rendered or None, prefill=prefill, head=head,
+        prompt = tokenizer.encode_chat(messages, tools=rendered or None, prefill=prefill,
                                        special_tokens_in_content=allow_special_tokens, **kwargs)  # fmt: skip
     except (ValueError, TypeError) as err:
         raise bad("messages", f"the chat template rejected the messages: {err}") from None
@@ -339,11 +343,27 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     limit = max_tokens(body, keys, len(prompt), defaults.get("max_tokens"), "messages", context)
     top_logprobs = (top or 0) if flag(body, "logprobs") else None
     params = sampling_params(body, vocab_size, max_tokens=limit, top_logprobs=top_logprobs, defaults=defaults)
-    if forced and params.grammar is not None:
-        raise bad(params.grammar.param, f"{params.grammar.param} cannot be combined with a forced tool call "
-                                        "(tool_choice 'required' or a named function) yet")  # fmt: skip
-    return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered), forced,
-                       echo)  # fmt: skip
+    if forced is not None:
+        if params.grammar is not None:
+            raise bad(params.grammar.param, f"{params.grammar.param} cannot be combined with a forced tool call "
+                                            "(tool_choice 'required' or a named function): both constrain the "
+                                            "output")  # fmt: skip
+        params = _force_call(params, rendered, forced, body, tokenizer)
+    return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered),
+                       forced is not None, echo, tool_schemas(rendered))  # fmt: skip
+
+
+def _force_call(params: SamplingParams, tools: list[dict], name: str, body: dict, tokenizer: Tokenizer
+                ) -> SamplingParams:  # fmt: skip
+    """`params` constrained to Hermes calls of one of `tools` ("" name) or of `name`: one call when
+    `parallel_tool_calls` is false, one or more otherwise."""
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    source, special = forced_call_grammar(tools, name or None, parallel=parallel is not False, tokenizer=tokenizer)
+    grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    # a special-token tag must reach the parser as text (the grammar allows no other special token but EOS)
+    return attrs.evolve(params, grammar=grammar, skip_special_tokens=params.skip_special_tokens and not special)
 
 
 # ---- legacy completions -------------------------------------------------------------------------------------

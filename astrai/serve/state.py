@@ -1,5 +1,5 @@
 """`ServerState`: what the route handlers share (the engine, the served name, metrics, auth and limits, sampling
-defaults, whether requests are logged).
+defaults, whether requests are logged, the tool-call parser).
 
 Handlers (`openai_api`, `anthropic_api`, `embeddings_api`) and `app` import it; the protocol modules never do:
 they take the tokenizer and the limits they check as arguments.
@@ -20,6 +20,7 @@ from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
 from astrai.serve.metrics import Metrics
 from astrai.serve.sampling_fields import check_defaults
+from astrai.serve.tool_parsers import check_parser_name, detect_parser
 
 
 @attrs.define(eq=False)
@@ -42,6 +43,10 @@ class ServerState:
         factory=dict, converter=dict, validator=lambda _s, _a, v: check_defaults(v)
     )
     log_requests: bool = False  # True: log each request's id, route, prompt (truncated) and sampling params at INFO
+    # the format of the model's tool calls (`tool_parsers.PARSERS`); None: detected from the chat template
+    tool_call_parser: str | None = attrs.field(
+        default=None, validator=lambda _s, _a, v: v is None or bool(check_parser_name(v))
+    )
     _tokenizing: anyio.CapacityLimiter = attrs.field(
         init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
     )
@@ -58,6 +63,13 @@ class ServerState:
     def tokenizer(self):
         """The served model's tokenizer (None when the folder has none)."""
         return self.engine.model.tokenizer
+
+    @functools.cached_property
+    def tool_parser(self) -> str:
+        """The tool-call parser's name: `tool_call_parser`, else the one the chat template's markup asks for."""
+        if self.tool_call_parser is not None:
+            return self.tool_call_parser
+        return detect_parser(self.tokenizer.chat_template if self.tokenizer is not None else None)
 
     @property
     def vocab_size(self) -> int:

@@ -21,10 +21,12 @@ Streaming guarantees (the tests feed every text split at every character boundar
   tool-call markup is dropped, so "Let me check.\\n\\n<tool_call>..." gives the content "Let me check.");
 - a call whose JSON does not parse, or never completes, comes out as plain text: nothing is lost.
 
-`prefix` is text the server pre-filled into the assistant turn (tool_choice "required" / a named function): it
-is parsed as if the model had said it but never emitted as text.
+`prefix` is text pre-filled into the assistant turn: it is parsed as if the model had said it but never emitted as
+text. `forced`: the output is grammar-forced calls (tool_choice "required" / named / any / tool); the one call
+that the token budget may cut short at the end is dropped instead of becoming text.
 
-Not supported: other markups (Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`, XML-argument formats).
+Other markups (Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`, Qwen3-Coder's XML, DeepSeek's tool tokens) are
+`astrai.serve.tool_parsers`'s, which also holds the registry of parsers by name.
 """
 
 from __future__ import annotations
@@ -173,13 +175,16 @@ class ToolCallParser:
         text: the content emitted so far (no tool-call markup).
     """
 
-    def __init__(self, tool_names: Sequence[str] | None = None, prefix: str = "") -> None:
+    def __init__(self, tool_names: Sequence[str] | None = None, prefix: str = "", *, forced: bool = False) -> None:
         """Start a parse.
 
         Args:
             tool_names: allowed function names (None: any); a call to another name stays text.
             prefix: text pre-filled into the assistant turn: parsed, never emitted.
+            forced: the output is grammar-forced calls (`tools_common.forced_call_grammar`): a call cut short by
+                the token budget at the end is dropped rather than given back as text.
         """
+        self._forced = forced
         self.tool_names = None if tool_names is None else frozenset(tool_names)
         self.calls: list[ToolCall] = []
         self.text = ""
@@ -201,6 +206,11 @@ class ToolCallParser:
 
     def finish(self) -> list[Event]:
         """End of generation: release held text, announce bare calls, turn an unterminated call into text."""
+        if self._forced:  # a forced output is only calls: drop the unfinished one (and a half-written tag)
+            if self._mode == "call":
+                self._all, self._cur, self._mode = self._all[: self._tag_at], self._tag_at, "text"
+            elif self._mode in ("text", "after") and OPEN.startswith(self._all[self._cur :].strip(_WS)):
+                self._all = self._all[: self._cur]
         self._run(final=True)
         self._mode = "done"
         return self._take()

@@ -1,25 +1,23 @@
 """Tool-use rules that the OpenAI and Anthropic APIs share: tool names, the chat template's tool and tool-call
-dicts, and the assistant-turn pre-fills that force a call.
+dicts, and the grammar that forces a call.
 
-Both APIs hand the chat template OpenAI-shaped dicts (that is what Hugging Face templates read), and both force a
-tool call by pre-filling the assistant turn with the start of a Hermes `<tool_call>` that the model must finish;
-`astrai.serve.tool_calls` parses the pre-fill as if the model had written it. Validation messages stay in each
-API's own module, since each mimics its own service's wording.
+Both APIs hand the chat template OpenAI-shaped dicts (that is what Hugging Face templates read). Both force a tool
+call (OpenAI tool_choice "required" / a named function, Anthropic "any" / "tool") with a grammar
+(`forced_call_grammar`, a Lark grammar with one `%json` schema per allowed tool, compiled by the engine like any
+other `SamplingParams.grammar`): the output can only be Hermes `<tool_call>` calls whose arguments match the
+tool's parameters, so the forced call always parses, whatever the model. Validation messages stay in each API's
+own module, since each mimics its own service's wording.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # both services' rule for function names
-FORCE_ANY = '<tool_call>\n{"name": "'  # the model must complete a call to some tool
-
-
-def force_tool(name: str) -> str:
-    """The assistant pre-fill that makes the model call `name` (it continues with the arguments object)."""
-    return f'<tool_call>\n{{"name": "{name}", "arguments": '
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
 
 def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -44,3 +42,58 @@ def template_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[st
 def tool_names(tools: Iterable[dict[str, Any]]) -> tuple[str, ...]:
     """Function names of `function_tool` dicts, in order (the names the tool-call parser accepts)."""
     return tuple(t["function"]["name"] for t in tools)
+
+
+# ---- forced tool calls through a grammar ----------------------------------------------------------------------
+# the Hermes call's JSON as chat templates render it (tojson's separators), with no free whitespace: a weak model
+# cannot pad forever inside a forced call
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_HOISTED = ("$defs", "definitions")  # `#/$defs/X` refs in a tool's parameters keep working under "arguments"
+
+
+def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """JSON schema of one Hermes call object `{"name": NAME, "arguments": ARGS}`, ARGS valid for `parameters`.
+
+    A tool without parameters takes any object. The parameters' `$defs` / `definitions` move to the root, so
+    their `#/$defs/...` references still resolve.
+    """
+    params = dict(parameters) if isinstance(parameters, dict) and parameters else {"type": "object"}
+    hoisted = {k: params.pop(k) for k in _HOISTED if k in params}
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False, **hoisted,
+            "x-guidance": _CALL_JSON}  # fmt: skip
+
+
+def tag_terminal(tokenizer: Any, text: str) -> tuple[str, bool]:
+    """(the Lark terminal for the markup `text`, whether it is a special token).
+
+    Real Qwen vocabularies have `<tool_call>` as an added token; when it is marked special it matches no text in
+    the grammar engine, so the grammar names its id (`<[id]>`), and the request must keep special tokens' text in
+    the output for the parser to see the tag.
+    """
+    if tokenizer is not None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] in tokenizer.special_token_ids:
+            return f"<[{ids[0]}]>", True
+    return json.dumps(text), False
+
+
+def forced_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None, *, parallel: bool = True,
+                        tokenizer: Any = None) -> tuple[str, bool]:  # fmt: skip
+    """The Lark grammar (llguidance's dialect) of a forced Hermes tool call, and whether it uses special tokens.
+
+    The output must be `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` for one of `tools`
+    (`function_tool` dicts), or for the tool `name` only, ARGS valid for that tool's parameters; then the
+    sequence ends. `parallel`: one or more calls, separated by a newline; otherwise exactly one.
+    """
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise ValueError(f"no tool named {name!r}")
+    (open_t, special_open), (close_t, special_close) = (tag_terminal(tokenizer, OPEN_TAG),
+                                                        tag_terminal(tokenizer, CLOSE_TAG))  # fmt: skip
+    lines = ["%llguidance {}", 'start: call ("\\n" call)*' if parallel else "start: call",
+             "call: " + open_t + ' "\\n" body "\\n" ' + close_t,
+             "body: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]  # fmt: skip
+    for i, fn in enumerate(chosen):
+        lines.append(f"call_{i}: %json " + json.dumps(call_schema(fn["name"], fn.get("parameters"))))
+    return "\n".join(lines) + "\n", special_open or special_close

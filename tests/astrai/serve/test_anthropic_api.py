@@ -223,19 +223,21 @@ def test_tool_result_round_trip_reaches_the_prompt(server, client, submitted):
 
 
 @pytest.mark.parametrize(
-    "choice, prefill, script, expect",
+    "choice, script, expect",
     [
-        ({"type": "any"}, '<tool_call>\n{"name": "', 'get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        ({"type": "any"}, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
          {"city": "Oslo"}),
-        ({"type": "tool", "name": "get_weather"}, '<tool_call>\n{"name": "get_weather", "arguments": ',
-         '{"city": "Rome"}}\n</tool_call>', {"city": "Rome"}),
+        ({"type": "tool", "name": "get_weather"},
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>', {"city": "Rome"}),
     ],
 )  # fmt: skip
-def test_tool_choice_forces_a_call(server, client, submitted, choice, prefill, script, expect):
+def test_tool_choice_forces_a_call(server, client, submitted, choice, script, expect):
+    # no pre-fill: the call is forced by a grammar (tests/astrai/serve/test_tool_choice_grammar.py)
     server.script(script)
-    reply = client.messages.create(model="m", max_tokens=64, messages=user("weather?"), tools=[WEATHER],
+    reply = client.messages.create(model="m", max_tokens=256, messages=user("weather?"), tools=[WEATHER],
                                    tool_choice=choice)  # fmt: skip
-    assert submitted[0].ids == rendered(server, user("weather?"), tools=[WEATHER_FN], suffix=prefill)
+    assert submitted[0].ids == rendered(server, user("weather?"), tools=[WEATHER_FN])
+    assert submitted[0].params.grammar is not None and submitted[0].params.grammar.param == "tool_choice"
     assert [(b.type, b.name, b.input) for b in reply.content] == [("tool_use", "get_weather", expect)]
     assert reply.stop_reason == "tool_use"
 

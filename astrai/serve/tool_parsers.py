@@ -1,0 +1,390 @@
+"""Tool-call parsers by name (vLLM's `--tool-call-parser` names), streaming and not, and their detection.
+
+- `hermes`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen2.5/3, Hermes; `tool_calls.py`).
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (or one object), or, from Mistral's
+  tokenizer v11 on, `[TOOL_CALLS]NAME[ARGS]{...}` per call.
+- `llama3_json`: an optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}` (several separated by
+  `;`); without the tag the whole output must be the JSON.
+- `qwen3_coder`: `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`;
+  values are typed by the tool's parameter schema (a string parameter stays text, other types are JSON).
+- `deepseek_v3`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+  <｜tool▁call▁end｜><｜tool▁calls▁end｜>` (one line; V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+  <｜tool▁call▁end｜>` too).
+
+Every parser keeps `tool_calls.ToolCallParser`'s contract: `feed(text)` / `finish()` return `TextDelta`,
+`ToolCallStart`, `ToolCallArgs`, `ToolCallEnd` events; `calls` and `text` hold the result; any split of the text
+gives the same events as the whole; a call is announced only once its markup closed and decoded (one batch:
+start, the whole arguments, end), so its `arguments` are always a JSON object's text; text that may start a
+marker, and whitespace next to markup, is held back; markup that does not decode (malformed JSON, a name not in
+`tool_names`, a missing parameter value) comes back as text, nothing lost. The non-Hermes formats share
+`MarkupParser`: a start marker, then a region that runs to an end marker (or, for mistral / llama3_json, to the
+end of the output) and is decoded whole.
+
+`detect_parser(chat_template)` picks the format from the template's text (`[TOOL_CALLS]` -> mistral,
+`<function=` -> qwen3_coder, `<|python_tag|>` -> llama3_json, `tool▁calls▁begin` -> deepseek_v3, else hermes);
+`astrai serve --tool-call-parser NAME` (`build_app(tool_call_parser=...)`) overrides it. Forced calls
+(tool_choice required / named / any / tool) are grammar-constrained to the Hermes format and parsed by `hermes`
+whatever the setting (`tools_common.forced_call_grammar`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from astrai.serve.tool_calls import (
+    Event,
+    TextDelta,
+    ToolCall,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallParser,
+    ToolCallStart,
+    _decode_calls,
+    _partial_suffix,
+    _reject_constant,
+    _skip_ws,
+    new_call_id,
+)
+
+_WS = " \t\r\n"
+Decoded = list[tuple[str, str]] | None  # (name, arguments JSON) per call, or None: not a valid call region
+
+
+class Parser(Protocol):
+    """What the handlers use of a tool-call parser."""
+
+    calls: list[ToolCall]
+    text: str
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _call(name: Any, args: Any, tool_names: frozenset[str] | None) -> tuple[str, str] | None:
+    """(name, arguments JSON) for a valid name and an object (or its JSON text; None means {}), else None."""
+    if not isinstance(name, str) or not name or (tool_names is not None and name not in tool_names):
+        return None
+    if isinstance(args, str):
+        try:
+            args = _loads(args)
+        except (ValueError, RecursionError):
+            return None
+    args = {} if args is None else args
+    return (name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+def _json_values(text: str, separators: str) -> list[Any] | None:
+    """The JSON values of `text`, separated by whitespace and `separators` characters; None if anything else."""
+    decoder, out, i = json.JSONDecoder(parse_constant=_reject_constant), [], 0
+    while True:
+        while i < len(text) and (text[i] in _WS or text[i] in separators):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return None
+        out.append(value)
+
+
+class MarkupParser:
+    """Streaming parser for a format with a start marker and a region decoded whole (see the module docstring).
+
+    Subclasses set OPEN, CLOSE (None: the region runs to the end of the output), BARE (an output that starts
+    with `{` / `[` is a region too) and `decode`.
+    """
+
+    OPEN: str = ""
+    CLOSE: str | None = None
+    BARE: bool = False
+
+    def __init__(self, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None) -> None:
+        """Start a parse.
+
+        Args:
+            tool_names: allowed function names (None: any); a call to another name stays text.
+            tools: name -> the tool's parameter schema (qwen3_coder types its values by it).
+        """
+        self.tool_names = None if tool_names is None else frozenset(tool_names)
+        self.tools = dict(tools or {})
+        self.calls: list[ToolCall] = []
+        self.text = ""
+        self._buf, self._cur, self._tag_at, self._mode = "", 0, 0, "start"  # start | text | region | after
+        self._events: list[Event] = []
+
+    def decode(self, region: str) -> Decoded:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Event]:
+        """Add generated text; returns the events it completes."""
+        self._buf += text
+        self._run(final=False)
+        if self._mode == "text" and self._cur:  # keep only the undecided window
+            self._buf, self._cur, self._tag_at = self._buf[self._cur :], 0, 0
+        return self._take()
+
+    def finish(self) -> list[Event]:
+        """End of generation: release held text, decode an open region (or give it back as text)."""
+        self._run(final=True)
+        self._mode = "done"
+        return self._take()
+
+    def _take(self) -> list[Event]:
+        events, self._events = self._events, []
+        merged: list[Event] = []
+        for event in events:
+            if isinstance(event, TextDelta) and merged and isinstance(merged[-1], TextDelta):
+                merged[-1] = TextDelta(merged[-1].text + event.text)
+            else:
+                merged.append(event)
+        return merged
+
+    def _emit_text(self, piece: str) -> None:
+        if piece:
+            self.text += piece
+            self._events.append(TextDelta(piece))
+
+    def _run(self, final: bool) -> None:
+        steps = {"start": self._start, "text": self._text, "region": self._region, "after": self._after}
+        while self._mode in steps and steps[self._mode](final):
+            pass
+
+    def _start(self, final: bool) -> bool:
+        j = _skip_ws(self._buf, 0)
+        if j == len(self._buf) and not final:
+            return False
+        if self.BARE and j < len(self._buf) and self._buf[j] in "{[":
+            self._mode, self._tag_at, self._cur, self._bare = "region", 0, j, True
+        else:
+            self._mode = "text"
+        return True
+
+    def _text(self, final: bool) -> bool:
+        rest = self._buf[self._cur :]
+        i = rest.find(self.OPEN)
+        if i >= 0:
+            self._tag_at = self._cur + len(rest[:i].rstrip(_WS))
+            self._emit_text(self._buf[self._cur : self._tag_at])
+            self._cur += i + len(self.OPEN)
+            self._mode, self._bare = "region", False
+            return True
+        if final:
+            self._emit_text(rest)
+            self._cur = len(self._buf)
+            return False
+        keep = rest[: len(rest) - _partial_suffix(rest, self.OPEN)].rstrip(_WS)
+        self._emit_text(keep)
+        self._cur += len(keep)
+        return False
+
+    def _region(self, final: bool) -> bool:
+        close = None if self._bare else self.CLOSE
+        end = -1 if close is None else self._buf.find(close, self._cur)
+        if end < 0 and not final:
+            return False
+        region = self._buf[self._cur : end if end >= 0 else len(self._buf)]
+        stop = end + len(close) if end >= 0 and close is not None else len(self._buf)
+        decoded = self.decode(region)
+        if decoded is None:  # the markup becomes text, as written
+            self._emit_text(self._buf[self._tag_at : stop])
+            self._cur, self._mode = stop, "text"
+            return True
+        for name, args in decoded:
+            call = ToolCall(id=new_call_id(), name=name, arguments=args)
+            index = len(self.calls)
+            self.calls.append(call)
+            self._events += [ToolCallStart(index, call.id, name), ToolCallArgs(index, args), ToolCallEnd(index)]
+        self._cur, self._mode = stop, "after"
+        return True
+
+    def _after(self, final: bool) -> bool:
+        j = _skip_ws(self._buf, self._cur)
+        if j == len(self._buf) and not final:
+            return False
+        self._cur, self._mode = j, "text"  # whitespace next to the markup is dropped
+        return True
+
+
+class MistralParser(MarkupParser):
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]NAME[ARGS]{...}` (v11+)."""
+
+    OPEN = "[TOOL_CALLS]"
+    _NAMED = re.compile(r"\s*([a-zA-Z0-9_.-]{1,64})(?:\[ARGS\]|(?=\{))(.*)\Z", re.S)
+
+    def decode(self, region: str) -> Decoded:
+        out: list[tuple[str, str]] = []
+        for piece in region.split(self.OPEN):  # several calls may each carry the marker
+            if not piece.strip():
+                continue
+            named = self._NAMED.match(piece)
+            if named:
+                values = _json_values(named.group(2), "")
+                call = _call(named.group(1), values[0], self.tool_names) if values and len(values) == 1 else None
+                if call is None:
+                    return None
+                out.append(call)
+                continue
+            values = _json_values(piece, ",")
+            for value in values or [None]:
+                decoded = _decode_calls(json.dumps(value), self.tool_names) if value is not None else None
+                if decoded is None:
+                    return None
+                out += decoded
+        return out or None
+
+
+class Llama3JsonParser(MarkupParser):
+    """`<|python_tag|>{"name": ..., "parameters": {...}}` (`;`-separated for several), or the bare JSON."""
+
+    OPEN, BARE = "<|python_tag|>", True
+
+    def decode(self, region: str) -> Decoded:
+        values = _json_values(region.replace(self.OPEN, ";"), ";")
+        out = []
+        for value in values or [None]:
+            if not isinstance(value, dict):
+                return None
+            call = _call(value.get("name"), value.get("parameters", value.get("arguments")), self.tool_names)
+            if call is None:
+                return None
+            out.append(call)
+        return out
+
+
+class DeepSeekV3Parser(MarkupParser):
+    """DeepSeek V3's tool tokens: the calls region, each call `function<｜tool▁sep｜>NAME` and a ```json fence
+    (V3.1: `NAME<｜tool▁sep｜>{...}`)."""
+
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _BEGIN, _SEP, _END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    _FENCED = re.compile(r"([^\n]+)\n```(?:json)?\n(.*)\n```\Z", re.S)
+
+    def decode(self, region: str) -> Decoded:
+        out = []
+        rest = region.strip(_WS)
+        while rest:
+            if not rest.startswith(self._BEGIN) or self._END not in rest:
+                return None
+            body, rest = rest[len(self._BEGIN) :].split(self._END, 1)
+            rest = rest.lstrip(_WS)
+            left, sep, right = body.partition(self._SEP)
+            if not sep:
+                return None
+            fenced = self._FENCED.match(right.strip(_WS)) if left.strip() == "function" else None
+            name, args = (fenced.group(1), fenced.group(2)) if fenced else (left, right)
+            try:
+                call = _call(name.strip(), _loads(args), self.tool_names)
+            except (ValueError, RecursionError):
+                return None
+            if call is None:
+                return None
+            out.append(call)
+        return out or None
+
+
+class Qwen3CoderParser(MarkupParser):
+    """Qwen3-Coder's XML calls; parameter values are typed by the tool's schema (a string stays as written)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+    def decode(self, region: str) -> Decoded:
+        out = []
+        functions = list(self._FUNCTION.finditer(region))
+        if not functions or "".join(self._FUNCTION.split(region)[::3]).strip(_WS):
+            return None  # no function, or text around the functions inside the tag
+        for fn in functions:
+            name, body = fn.group(1).strip(), fn.group(2)
+            if "".join(self._PARAM.split(body)[::3]).strip(_WS):
+                return None
+            schema = self.tools.get(name) or {}
+            props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+            args = {}
+            for p in self._PARAM.finditer(body):
+                key, value = p.group(1).strip(), p.group(2)
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                args[key] = _typed(value, props.get(key))
+            call = _call(name, args, self.tool_names)
+            if call is None:
+                return None
+            out.append(call)
+        return out
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter value: text for string (or unknown) parameters, else its JSON value (text if the
+    JSON does not parse, as vLLM keeps it)."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds or ())
+    if not kinds or "string" in kinds:
+        return value
+    try:
+        return _loads(value.strip())
+    except (ValueError, RecursionError):
+        return value
+
+
+def _hermes(tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
+            forced: bool = False) -> Parser:  # fmt: skip
+    return ToolCallParser(tool_names, forced=forced)
+
+
+PARSERS: dict[str, Callable[..., Parser]] = {
+    "hermes": _hermes,
+    "mistral": MistralParser,
+    "llama3_json": Llama3JsonParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "deepseek_v3": DeepSeekV3Parser,
+}
+# template text -> parser, first match wins (qwen3_coder before hermes: both use <tool_call>)
+_DETECT = (("[TOOL_CALLS]", "mistral"), ("<function=", "qwen3_coder"), ("<|python_tag|>", "llama3_json"),
+           ("tool▁calls▁begin", "deepseek_v3"))  # fmt: skip
+
+
+def check_parser_name(name: str) -> str:
+    """`name` if it is a parser's, else ValueError listing them."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSERS)}")
+    return name
+
+
+def detect_parser(chat_template: str | None) -> str:
+    """The parser a chat template's tool-call markup asks for (hermes when nothing else matches)."""
+    for marker, name in _DETECT:
+        if chat_template and marker in chat_template:
+            return name
+    return "hermes"
+
+
+def new_parser(name: str, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
+               forced: bool = False) -> Parser:  # fmt: skip
+    """A fresh streaming parser of format `name` for one output; `forced`: a grammar-forced Hermes output (the
+    hermes parser, which then drops a call that the budget cut short instead of returning it as text)."""
+    if forced:
+        return _hermes(tool_names, tools, forced=True)
+    return PARSERS[check_parser_name(name)](tool_names, tools)
+
+
+def parse(name: str, text: str, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
+          forced: bool = False) -> tuple[str, list[ToolCall]]:  # fmt: skip
+    """Parse a whole output at once: (content without tool-call markup, calls)."""
+    parser = new_parser(name, tool_names, tools, forced=forced)
+    parser.feed(text)
+    parser.finish()
+    return parser.text, parser.calls
+
+
+def tool_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """name -> parameter schema of `tools_common.function_tool` dicts (what qwen3_coder types values by)."""
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
