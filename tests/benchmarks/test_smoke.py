@@ -83,3 +83,15 @@ def test_grammar_smoke_reports_json(tmp_path):
         assert set(r["schemas"]) == {"small", "nested", "tool_30"} and r["view_ms"]["median"] > 0
         assert all(s["mask_ms"]["n"] >= 50 and s["compile_cold_ms"]["median"] > 0 for s in r["schemas"].values())
         assert r["robustness"]["invalid"] == 0
+
+
+def test_throughput_smoke_reports_json(tmp_path):
+    """bench_throughput: astrai and the transformers baseline ran the workload, under its lower bound, side by side."""
+    report = _smoke("bench_throughput.py", tmp_path, timeout=120)
+    assert report["output_tokens"] > 0 and report["machine"]["read_gbs"] > 0 and report["bound"]["bound_s"] > 0
+    assert set(report["results"]) == {"astrai", "eager"} and report["timed_compiles"]["astrai"] == 0
+    for result in report["results"].values():
+        assert 0 < result["of_bound"]["max"] < 1 and result["output_tok_s"]["min"] > 0
+    astrai = report["results"]["astrai"]
+    assert 0 < astrai["ttft_p50"]["median"] <= astrai["ttft_p99"]["median"] and astrai["itl_p90"]["median"] > 0
+    assert report["results"]["eager"]["astrai_over_this"]["median"] > 0
