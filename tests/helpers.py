@@ -143,3 +143,39 @@ def assert_logits_match_hf(model, hf, ids, *, msg: str = "") -> None:
         expected = hf(ids).logits
     actual = forward(model.params, model.config, ids)
     assert_close(actual, expected, atol=1e-4 * max(expected.abs().max().item(), 1.0), msg=msg)
+
+
+def sentencepiece_tokenizer(corpus, *, style: str, vocab_size: int):
+    """A Llama-style BPE trained on `corpus`: `▁` word marker, 256 `<0xNN>` byte-fallback tokens at ids 3..258,
+    BOS added on encode. `style` "llama2": Llama 2's normalizer (prepend and replace spaces with `▁`); "metaspace":
+    a Metaspace pre-tokenizer (Mistral/Gemma-style)."""
+    import json
+
+    import tokenizers
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from astrai.io.tokenizer import Tokenizer
+
+    trainer_tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>"], show_progress=False)
+    trainer_tok.train_from_iterator(list(corpus), trainer)
+    state = json.loads(trainer_tok.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for token, _ in sorted(state["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    if style == "llama2":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence(
+            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)]
+        )
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})

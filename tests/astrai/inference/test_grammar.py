@@ -13,9 +13,7 @@ import time
 
 import jsonschema
 import pytest
-import tokenizers
 import torch
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from astrai.inference.grammar import (
     GrammarError,
@@ -37,6 +35,7 @@ from astrai.inference.grammar import (
 )
 from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer, train_tokenizer
+from helpers import sentencepiece_tokenizer
 
 CORPUS = [
     '{"name": "Ada", "kind": "cat", "age": 36, "tags": ["a", "b"], "owner": {"id": 12, "admin": true}}',
@@ -69,29 +68,7 @@ SEEDS = range(20)
 def tokenizer(kind: str) -> Tokenizer:
     if kind == "byte_level":
         return train_tokenizer(CORPUS, vocab_size=400)
-    trainer_tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
-    trainer_tok.train_from_iterator(CORPUS, trainer)
-    state = json.loads(trainer_tok.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for token, _ in sorted(state["vocab"].items(), key=lambda kv: kv[1]):
-        vocab.setdefault(token, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    if kind == "llama2":
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        backend.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-        )
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        backend.decoder = decoders.Sequence(
-            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)]
-        )
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    return sentencepiece_tokenizer(CORPUS, style=kind, vocab_size=200)
 
 
 @functools.cache

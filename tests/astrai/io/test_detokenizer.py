@@ -7,16 +7,14 @@ bytes of logprobs.
 """
 
 import functools
-import json
 
 import pytest
-import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer, train_tokenizer
+from helpers import sentencepiece_tokenizer
 
 BYTE_CORPUS = ["Hello world, streaming one token at a time.", "中文文本，很好。", "naïve café"] * 10
 # No CJK or emoji here, so those reach the sentencepiece-style tokenizers only through byte fallback.
@@ -33,29 +31,7 @@ def byte_level() -> Tokenizer:
 @functools.cache
 def sentencepiece(style: str) -> Tokenizer:
     """A Llama-style BPE: ▁ word marker, 256 ``<0xNN>`` byte tokens at ids 3..258, BOS added on encode."""
-    trainer_tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=160, special_tokens=["<unk>"], show_progress=False)
-    trainer_tok.train_from_iterator(SP_CORPUS, trainer)
-    state = json.loads(trainer_tok.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for token, _ in sorted(state["vocab"].items(), key=lambda kv: kv[1]):
-        vocab.setdefault(token, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    if style == "llama2":
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        backend.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-        )
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        backend.decoder = decoders.Sequence(
-            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)]
-        )
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    return sentencepiece_tokenizer(SP_CORPUS, style=style, vocab_size=160)
 
 
 def tokenizer_for(kind: str) -> Tokenizer:
