@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 
 from astrai.nn.lora import LoRAConfig
-from astrai.train.config import TrainConfig
+from astrai.train.config import DPOConfig, TrainConfig
 from astrai.train.optim import AdamWConfig
 from astrai.train.schedule import ScheduleConfig
 
@@ -41,8 +41,26 @@ def sft_lora_tiny() -> TrainConfig:
                         optim=AdamWConfig(lr=2e-3, weight_decay=0.0))  # fmt: skip
 
 
+def dpo_tiny() -> TrainConfig:
+    """DPO (sigmoid, beta 0.1, reference log-probs precomputed) of the `tiny` model on preference pairs from
+    `astrai preprocess` (kind dpo); start from an SFT model with `--model runs/sft-tiny/model`."""
+    return TrainConfig(
+        data=Path("data/dpo-tiny"), out_dir=Path("runs/dpo-tiny"), model="tiny", seq_len=256, batch_size=4,
+        steps=100, optim=AdamWConfig(lr=1e-4, weight_decay=0.0), schedule=ScheduleConfig(kind="cosine",
+        warmup_steps=5), save_every=50, dpo=DPOConfig(),
+    )  # fmt: skip
+
+
+def dpo_lora_tiny() -> TrainConfig:
+    """`dpo-tiny` with LoRA adapters (r=16 on q/v projections): the reference is the base with the adapters off."""
+    return attrs.evolve(dpo_tiny(), out_dir=Path("runs/dpo-lora-tiny"), lora=LoRAConfig(),
+                        optim=AdamWConfig(lr=5e-4, weight_decay=0.0))  # fmt: skip
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "pretrain-tiny": pretrain_tiny,
     "sft-tiny": sft_tiny,
     "sft-lora-tiny": sft_lora_tiny,
+    "dpo-tiny": dpo_tiny,
+    "dpo-lora-tiny": dpo_lora_tiny,
 }

@@ -210,11 +210,15 @@ def _lm_rows(seqs: list[Tensor], masks: list[Tensor], length: int, pad_id: int) 
     return LMBatch(tokens=tokens, targets=targets, loss_mask=loss_mask, positions=positions)
 
 
-def collate_pairs(items: Sequence[dict[str, Tensor]], *, pad_id: int) -> PairBatch:
-    """Right-pad DPO items with `pad_id` (mask False there) into a PairBatch; T is the longest side of any pair."""
+def collate_pairs(items: Sequence[dict[str, Tensor]], *, pad_id: int, length: int | None = None) -> PairBatch:
+    """Right-pad DPO items with `pad_id` (mask False there) into a PairBatch; T is `length` (a fixed shape, e.g. the
+    train step's seq_len, so a compiled step sees one shape) or, by default, the longest side of any pair."""
     if not items:
         raise ValueError("collate_pairs needs at least one item")
-    length = max(max(len(item["chosen"]), len(item["rejected"])) for item in items)
+    longest = max(max(len(item["chosen"]), len(item["rejected"])) for item in items)
+    if length is not None and longest > length:
+        raise ValueError(f"a DPO side has {longest} tokens, more than length {length}")
+    length = longest if length is None else length
     sides = {
         side: _lm_rows([it[side] for it in items], [it[f"{side}_mask"] for it in items], length, pad_id)
         for side in ("chosen", "rejected")

@@ -21,11 +21,35 @@ from astrai.train.schedule import ScheduleConfig
 
 
 @attrs.frozen(kw_only=True)
+class DPOConfig:
+    """Direct preference optimisation on `dpo` shards (`astrai.train.dpo`; losses in `astrai.train.preference`)."""
+
+    beta: float = 0.1
+    """Inverse temperature of the implicit reward (the IPO regulariser tau for loss_type ipo)."""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid (DPO; cDPO with label_smoothing > 0), ipo (length-normalised, as TRL) or hinge (SLiC)."""
+    label_smoothing: float = 0.0
+    """cDPO's probability that a preference label is flipped, in [0, 0.5); sigmoid only."""
+    reference: Literal["precomputed", "frozen"] = "precomputed"
+    """precomputed: one no-grad pass over the training pairs with the start weights before step 1, stored as
+    RUN/reference_logps.safetensors (read back on resume); frozen: the start weights compute them per batch (a
+    second copy of the weights, except with LoRA, whose reference is the base itself)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(f"dpo.label_smoothing applies to loss_type sigmoid only, not {self.loss_type}")
+
+
+@attrs.frozen(kw_only=True)
 class TrainConfig:
     """One training run."""
 
     data: Path
-    """Preprocessed shard folder (`astrai preprocess` output): pretraining text or packed SFT rows."""
+    """Preprocessed shard folder (`astrai preprocess` output): pretraining text, packed SFT rows or DPO pairs."""
     out_dir: Path = Path("runs/train")
     """Run folder: config.json, metrics.jsonl, loss.png, checkpoints/, model/ (the final weights)."""
     model: str = "tiny"
@@ -37,7 +61,7 @@ class TrainConfig:
     val_fraction: float = 0.0
     """Share of `data` items held out for eval loss when `val_data` is not given."""
     seq_len: int = 512
-    """Tokens per row."""
+    """Tokens per row (DPO: per prompt + response side; every pair is padded to it)."""
     batch_size: int = 8
     """Rows per micro-batch on each rank."""
     grad_accum: int = 1
@@ -61,6 +85,8 @@ class TrainConfig:
     """Recompute each block in backward (less memory, ~30% more compute)."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters on a frozen base instead of all weights."""
+    dpo: DPOConfig | None = None
+    """Train with the DPO loss on `dpo` shards (None: the causal-LM loss on pretraining/SFT shards)."""
     eval_every: int = 0
     """Steps between eval-loss passes (0: only at the end when there is eval data)."""
     eval_batches: int = 8
@@ -96,6 +122,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.dpo is not None and (self.val_data is not None or self.val_fraction > 0):
+            raise ValueError("DPO runs have no eval pass yet: drop val_data and set val_fraction 0")
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

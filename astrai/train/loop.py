@@ -13,6 +13,10 @@ step returns at once. A NaN/inf loss or gradient norm (read on the host with the
 sync is added to the step) or non-finite weights at a checkpoint raise `NonFiniteError` before anything of
 that step is saved (`TrainConfig.stop_on_nonfinite`).
 
+With `TrainConfig.dpo` the step is `astrai.train.dpo.DPOStep` on DPO pairs; the reference log-probs come from the
+start weights (`astrai.train.dpo.make_reference`, set up before a resume loads newer weights) and are filled into
+each micro-batch before the step.
+
 The base model is a `ModelConfig` (random init) or `TrainConfig.model` as a folder; resolving a name such as
 "tiny" to a `ModelConfig` is the caller's job (the CLI reads `configs/models.py`: the library never imports it).
 """
@@ -53,7 +57,8 @@ from astrai.train.checkpoint import (
     set_rng_state,
 )
 from astrai.train.config import TrainConfig, config_to_dict
-from astrai.train.data import TrainData, open_data
+from astrai.train.data import DPOBatch, TrainData, open_data
+from astrai.train.dpo import DPOStep, batch_rows, make_reference
 from astrai.train.fsdp import full_tree, gather_tree, load_into_shards_, make_mesh, shard_tree
 from astrai.train.metrics import MetricsLog
 from astrai.train.optim import adamw_state_dict, load_optimizer_state, uses_muon
@@ -62,7 +67,7 @@ from astrai.train.progress import TrainProgress
 from astrai.train.schedule import lr_at
 from astrai.train.signals import StopRequest
 from astrai.train.step import StepOptions, TrainState, TrainStep, eval_sums, full_params, init_train_state
-from astrai.tree import from_named_tensors, leaves, named_tensors, to_device
+from astrai.tree import from_named_tensors, leaves, named_tensors, replace, to_device
 
 _log = logging.getLogger("astrai.train")  # unconfigured, a warning prints as its bare message on stderr
 
@@ -144,12 +149,29 @@ class _Run:
             label_smoothing=cfg.label_smoothing,
             compile=cfg.compile,
         )
-        self.step_fn = TrainStep(
-            self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
-            sharded=self.sharded,
-        )  # fmt: skip
+        if cfg.dpo is not None:
+            self.step_fn: TrainStep = DPOStep(
+                self.model_cfg, self.opts, cfg.optim, cfg.dpo, trainable=self.state.trainable,
+                to_params=self.to_params, sharded=self.sharded,
+            )  # fmt: skip
+        else:
+            self.step_fn = TrainStep(
+                self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
+                sharded=self.sharded,
+            )  # fmt: skip
+        self.reference = None  # DPO: batch -> [2, B] reference log-probs (`prepare_reference`)
         self.schedule = cfg.schedule if cfg.schedule.total_steps else attrs.evolve(cfg.schedule, total_steps=cfg.steps)
         self.step, self.tokens_seen = 0, 0
+
+    def prepare_reference(self, resuming: bool) -> None:
+        """DPO: set up the reference log-probs from the start weights (call before `resume` changes them)."""
+        if self.cfg.dpo is None:
+            return
+        self.reference = make_reference(
+            self.cfg.dpo, self.base, shared=self.lora_cfg is not None, data=self.data.train, run_dir=self.run_dir,
+            resuming=resuming, cfg=self.model_cfg, opts=self.opts, batch_size=self.cfg.batch_size,
+            seq_len=self.cfg.seq_len, device=self.device, rank=self.dist.rank, world_size=self.dist.world_size,
+        )  # fmt: skip
 
     # ---- weights ------------------------------------------------------------------------------------------
     def params(self) -> DecoderParams:
@@ -234,8 +256,11 @@ class _Run:
         return (total / count.clamp(min=1)).item()
 
 
-def _micro_batches(run: _Run, batches: Iterator[list[LMBatch]]) -> list[LMBatch]:
-    return [to_device(mb, run.device) for mb in next(batches)]
+def _micro_batches(run: _Run, batches: Iterator[list[LMBatch] | list[DPOBatch]]) -> list[LMBatch] | list[DPOBatch]:
+    micro = [to_device(mb, run.device) for mb in next(batches)]
+    if run.reference is not None:
+        micro = [replace(mb, ref=run.reference(mb)) for mb in micro]
+    return micro
 
 
 def _all_finite(tree: Any) -> bool:
@@ -310,7 +335,7 @@ def _set_aside_newer(run: _Run, found: Resumable) -> None:
             _warn(f"warning: {path} is newer than the resumed step {found.step}: set aside as {moved.name}")
 
 
-def _step(run: _Run, batches: Iterator[list[LMBatch]]) -> dict[str, Any]:
+def _step(run: _Run, batches: Iterator[list[LMBatch] | list[DPOBatch]]) -> dict[str, Any]:
     """One optimiser step; its metrics as host numbers (the step's only sync, shared by logging and checks)."""
     t0 = time.perf_counter()
     micro = _micro_batches(run, batches)
@@ -322,12 +347,13 @@ def _step(run: _Run, batches: Iterator[list[LMBatch]]) -> dict[str, Any]:
     values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
     run.tokens_seen += int(values.pop("tokens"))
     values["lr"] = lr
-    values["tok_s"] = sum(mb.tokens.numel() for mb in micro) * run.dist.world_size / (time.perf_counter() - t0)
+    values["tok_s"] = batch_rows(micro) * run.dist.world_size / (time.perf_counter() - t0)
     return values
 
 
 def _train(run: _Run, found: Resumable | None) -> TrainResult:
     cfg, main = run.cfg, run.dist.is_main
+    run.prepare_reference(resuming=found is not None)  # from the start weights: before resume replaces them
     if found is not None:
         run.resume(found)
         _set_aside_newer(run, found)

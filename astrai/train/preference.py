@@ -55,6 +55,7 @@ def token_logprobs_of(
     *,
     chunk_size: int = 4096,
     positions: Tensor | None = None,
+    checkpoint_blocks: bool = False,
 ) -> Tensor:
     """Per-position log p(tokens[:, t + 1] | tokens[:, :t + 1]) under the model, in fp32.
 
@@ -70,6 +71,7 @@ def token_logprobs_of(
         chunk_size: LM-head rows per block.
         positions: optional [B, T] int64 position ids (e.g. restarting at 0 for left padding or packed rows);
             attention then stays inside each document, as in `lm_loss`. Default: 0..T-1 on every row.
+        checkpoint_blocks: recompute each block in backward (activation checkpointing, as the train step).
 
     Returns:
         [B, T] fp32: entry t is the log-prob of the target tokens[:, t + 1] (the `LMBatch.targets` convention);
@@ -79,7 +81,14 @@ def token_logprobs_of(
         raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
     b, t = tokens.shape
     doc_ids = None if positions is None else document_ids(positions)
-    h = hidden_states(params, cfg, tokens[:, :-1], positions=_head(positions), doc_ids=_head(doc_ids))
+    h = hidden_states(
+        params,
+        cfg,
+        tokens[:, :-1],
+        positions=_head(positions),
+        doc_ids=_head(doc_ids),
+        checkpoint_blocks=checkpoint_blocks,
+    )
     h = rms_norm(params.norm, h, eps=cfg.rms_norm_eps)  # [B, T - 1, E]
     bias = None if params.lm_head is None else params.lm_head.bias
     weight = lm_head_weight(params)
@@ -102,6 +111,7 @@ def sequence_logprobs(
     *,
     chunk_size: int = 4096,
     positions: Tensor | None = None,
+    checkpoint_blocks: bool = False,
 ) -> Tensor:
     """Per-sequence sum of log p(target) over the loss mask: log pi(completion | prompt) for DPO.
 
@@ -116,13 +126,16 @@ def sequence_logprobs(
         loss_mask: [B, T] float (or bool) weights of the shifted targets.
         chunk_size: LM-head rows per block.
         positions: optional [B, T] position ids (see `token_logprobs_of`).
+        checkpoint_blocks: recompute each block in backward.
 
     Returns:
         [B] fp32 sums, differentiable with respect to `params`.
     """
     if loss_mask.shape != tokens.shape:
         raise ValueError(f"loss_mask must match tokens {tuple(tokens.shape)}, got {tuple(loss_mask.shape)}")
-    logp = token_logprobs_of(params, cfg, tokens, chunk_size=chunk_size, positions=positions)
+    logp = token_logprobs_of(
+        params, cfg, tokens, chunk_size=chunk_size, positions=positions, checkpoint_blocks=checkpoint_blocks
+    )
     mask = loss_mask[:, :-1].to(logp.dtype)  # [B, T - 1]: the last column has no target
     return (logp[:, :-1] * mask).sum(dim=-1)
 

@@ -274,17 +274,17 @@ class TrainStep:
         """
         if not micro_batches:
             raise ValueError("a train step needs at least one micro-batch")
-        device = micro_batches[0].tokens.device
-        tokens = torch.stack([mb.loss_mask.sum() for mb in micro_batches]).sum().float()
+        # [items normalising the loss, trained tokens] of the global batch (one all-reduce)
+        counts = torch.stack([self.counts(mb) for mb in micro_batches]).sum(dim=0).float()
         world = _world()
         if world > 1:
-            dist.all_reduce(tokens)
-        norm = tokens.clamp(min=1.0)
-        total = torch.zeros((), device=device)
-        stats: dict[str, Tensor] = {}  # router statistics summed over micro-batches (and ranks below)
+            dist.all_reduce(counts)
+        norm, tokens = counts[0].clamp(min=1.0), counts[1]
+        total = torch.zeros((), device=counts.device)
+        stats: dict[str, Tensor] = {}  # statistics summed over micro-batches (and ranks below)
         for mb in micro_batches:
             trainable = gather_tree(state.trainable) if self.sharded else state.trainable
-            loss, task_sum, mb_stats = self.loss(trainable, frozen, mb, norm, is_packed(mb))
+            loss, task_sum, mb_stats = self.micro_loss(trainable, frozen, mb, norm)
             loss.backward()
             total += task_sum
             for name, value in mb_stats.items():
@@ -305,5 +305,21 @@ class TrainStep:
             )  # fmt: skip
         for p in params:
             p.grad = None
-        means = {name: value / (len(micro_batches) * world) for name, value in stats.items()}
+        means = self.stat_means(stats, norm, len(micro_batches) * world)
         return {"loss": total / norm, "grad_norm": grad_norm, "tokens": tokens, **means}
+
+    # ---- what differs between objectives (`astrai.train.dpo.DPOStep` overrides these) ---------------------------
+    def counts(self, mb: Any) -> Tensor:
+        """[2]: (items the loss is normalised by, trained tokens) of one micro-batch: both its trained tokens."""
+        tokens = mb.loss_mask.sum()
+        return torch.stack([tokens, tokens])
+
+    def micro_loss(
+        self, trainable: Any, frozen: Any, mb: Any, norm: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(loss to backpropagate, detached loss sum, statistics) of one micro-batch."""
+        return self.loss(trainable, frozen, mb, norm, is_packed(mb))
+
+    def stat_means(self, stats: dict[str, Tensor], norm: Tensor, n_micro: int) -> dict[str, Tensor]:
+        """Global means of the summed statistics: MoE router statistics average over micro-batches and ranks."""
+        return {name: value / n_micro for name, value in stats.items()}
