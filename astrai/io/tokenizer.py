@@ -45,45 +45,10 @@ from astrai.io.chat_template import (
 )
 from astrai.io.detokenizer import IncrementalDetokenizer
 from astrai.io.errors import CheckpointError
+from astrai.io.tokenizer_files import eos_ids_from_model_files, read_side_json, token_str
 
 # The named special tokens transformers exposes as template variables (``special_tokens_map``), in its order.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ``{}`` when the file is absent. Raises CheckpointError naming a corrupt file."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _token_str(value: Any) -> str | None:
-    """A special-token entry as a string: configs store a string or an AddedToken dict ``{"content": ...}``."""
-    if isinstance(value, Mapping):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
-
-
-def _eos_ids_from_model_files(folder: Path) -> list[int]:
-    """Stop ids from ``generation_config.json`` then ``config.json`` (top level, else ``text_config``)."""
-    ids = _as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
-    model_config = _read_json(folder / "config.json")
-    text_config = model_config.get("text_config")  # multimodal checkpoints nest the LM config
-    nested = text_config.get("eos_token_id") if isinstance(text_config, dict) else None
-    value = model_config.get("eos_token_id", nested)
-    return ids + _as_id_list(value)
 
 
 def _fast_ids(backend: tokenizers.Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -135,7 +100,7 @@ class Tokenizer:
             *(self.config.get("additional_special_tokens") or []),
             *(extra.values() if isinstance(extra, dict) else extra),
         ]
-        return [t for t in map(_token_str, tokens) if t is not None]
+        return [t for t in map(token_str, tokens) if t is not None]
 
     def _add_missing_special_tokens(self, tokens: Iterable[str]) -> None:
         # transformers adds every named special token that is not an added token (even if the model vocab has
@@ -161,14 +126,14 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
             raise CheckpointError(f"{tok_file} is not a valid tokenizers file: {e}") from e
-        config = _read_json(folder / "tokenizer_config.json")
-        special = {k: _token_str(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+        config = read_side_json(folder / "tokenizer_config.json")
+        special = {k: token_str(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
         if backend.padding is not None and special["pad_token"] is None:
             special["pad_token"] = backend.padding["pad_token"]
         if "added_tokens_decoder" not in config:  # transformers reads this legacy file only in that case
-            for key, value in _read_json(folder / "special_tokens_map.json").items():
-                if key in special and _token_str(value) is not None:
-                    special[key] = _token_str(value)
+            for key, value in read_side_json(folder / "special_tokens_map.json").items():
+                if key in special and token_str(value) is not None:
+                    special[key] = token_str(value)
         # transformers ignores stored truncation/padding unless asked for them at call time.
         backend.no_truncation()
         backend.no_padding()
@@ -176,7 +141,7 @@ class Tokenizer:
             backend,
             special_tokens=special,
             chat_template=load_chat_templates(folder, config),
-            eos_token_ids=_eos_ids_from_model_files(folder),
+            eos_token_ids=eos_ids_from_model_files(folder),
             config=config,
         )
 

@@ -29,6 +29,7 @@ whatever the setting (`tools_common.forced_call_grammar`).
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -96,7 +97,7 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
         out.append(value)
 
 
-class MarkupParser:
+class MarkupParser(abc.ABC):
     """Streaming parser for a format with a start marker and a region decoded whole (see the module docstring).
 
     Subclasses set OPEN, CLOSE (None: the region runs to the end of the output), BARE (an output that starts
@@ -121,8 +122,10 @@ class MarkupParser:
         self._buf, self._cur, self._tag_at, self._mode = "", 0, 0, "start"  # start | text | region | after
         self._events: list[Event] = []
 
+    @abc.abstractmethod
     def decode(self, region: str) -> Decoded:
-        raise NotImplementedError
+        """The calls in one region's text (between OPEN and CLOSE), or None when it does not decode (the region
+        then comes back as text). Each format implements it."""
 
     def feed(self, text: str) -> list[Event]:
         """Add generated text; returns the events it completes."""
