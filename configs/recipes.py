@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 
 from astrai.nn.lora import LoRAConfig
-from astrai.train.config import DPOConfig, TrainConfig
+from astrai.train.config import DPOConfig, GRPOConfig, TrainConfig
 from astrai.train.optim import AdamWConfig
 from astrai.train.schedule import ScheduleConfig
 
@@ -57,10 +57,23 @@ def dpo_lora_tiny() -> TrainConfig:
                         optim=AdamWConfig(lr=5e-4, weight_decay=0.0))  # fmt: skip
 
 
+def grpo_tiny() -> TrainConfig:
+    """Online GRPO of the `tiny` model: 8 completions of up to 32 tokens per prompt from astrai's engine, reward 1 for
+    an exact-match answer (`astrai.train.rewards`), DAPO normalisation, no reference (beta 0). Data: `grpo` shards
+    from `astrai preprocess` or a JSONL of {"prompt" or "messages", "answer"}; start from an SFT model with
+    `--model runs/sft-tiny/model` (a random model never earns a reward)."""
+    return TrainConfig(
+        data=Path("data/grpo-tiny.jsonl"), out_dir=Path("runs/grpo-tiny"), model="tiny", seq_len=128, batch_size=4,
+        steps=100, optim=AdamWConfig(lr=5e-5, weight_decay=0.0), schedule=ScheduleConfig(kind="constant"),
+        max_grad_norm=1.0, save_every=50, grpo=GRPOConfig(num_generations=8, max_completion_tokens=32),
+    )  # fmt: skip
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "pretrain-tiny": pretrain_tiny,
     "sft-tiny": sft_tiny,
     "sft-lora-tiny": sft_lora_tiny,
     "dpo-tiny": dpo_tiny,
     "dpo-lora-tiny": dpo_lora_tiny,
+    "grpo-tiny": grpo_tiny,
 }

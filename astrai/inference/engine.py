@@ -9,6 +9,10 @@ A request with `SamplingParams.grammar` has it compiled in `submit`, on the call
 cached; a grammar that does not compile is an `EngineInputError` naming the spec's `param`, never an error in the
 step loop), against one llguidance view of the tokenizer built on first use; each of its n sequences gets its own
 matcher.
+
+RL rollouts (`astrai.train.rollout`): the engine serves the trainer's own parameter tensors; after an optimizer step
+changes them in place, `update_params()` (or `invalidate_prefix_cache()`) drops every cached prefix, whose K/V the
+old weights computed; `update_params(tree)` switches to other tensors of the same shapes (still no copy).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from astrai.inference.scheduler import Scheduler
 from astrai.inference.seq import split_n
 from astrai.io.model import Model
 from astrai.models.config import ModelConfig
+from astrai.models.decoder import DecoderParams
 from astrai.ops.attention import pages_needed
+from astrai.tree import leaves
 
 
 class EngineBusyError(RuntimeError):
@@ -354,6 +360,34 @@ class Engine:
         finally:
             if handle.completion is None:
                 handle.abort()
+
+    # ---- weights (RL: the trainer's tensors, read in place) ------------------------------------------------
+    def update_params(self, params: DecoderParams | None = None) -> None:
+        """Generate with `params` from now on (the tensors themselves: no copy, no reload), then drop the prefix
+        cache (`invalidate_prefix_cache`). Without `params`, the tensors already served were changed in place (an
+        optimizer step): only the cache goes. Call it when no request is in flight (e.g. between rollouts).
+
+        Raises:
+            ValueError: `params` differs from the served tree in structure, shape, dtype or device.
+            RuntimeError: requests are in flight.
+        """
+        if params is not None:
+            old, new = leaves(self.model.params), leaves(params)
+            if len(old) != len(new) or any((a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device)
+                                           for a, b in zip(old, new, strict=True)):  # fmt: skip
+                raise ValueError("update_params needs a tree of the served structure, shapes, dtypes and device")
+        self.invalidate_prefix_cache()  # refuses while requests are in flight
+        if params is not None:
+            self.model = attrs.evolve(self.model, params=params)
+            self.runner.set_model(self.model)
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forget every cached prefix (its K/V was computed with the old weights); the next prompt recomputes."""
+        with self._cv:
+            if self._inbox or self.scheduler.has_work():
+                raise RuntimeError("the weights changed while requests are in flight: wait for them first")
+            if self.radix is not None:
+                self.radix.reset()
 
     def stats(self) -> EngineStats:
         """Counters and KV usage (read without stopping the engine; may be one step stale)."""

@@ -85,6 +85,13 @@ class ModelRunner:
             self.graphs = self.make_decode_graphs(capture=True)
             self.graphs.capture_all([b for b in DECODE_BUCKETS if b < self.graphs.max_rows] + [self.graphs.max_rows])
 
+    def set_model(self, model: Model) -> None:
+        """Run `model` (same shapes, new weight tensors) from now on; CUDA graphs bound the old ones: recapture."""
+        self.model = model
+        if self.graphs is not None:
+            self.graphs = self.make_decode_graphs(capture=True)
+            self.graphs.capture_all([b for b in DECODE_BUCKETS if b < self.graphs.max_rows] + [self.graphs.max_rows])
+
     def make_decode_graphs(self, *, capture: bool) -> DecodeGraphs:
         """Decode over preallocated per-bucket rows; `capture` replays CUDA graphs (tests use False on CPU)."""
         decode, params, cache = self.compiled_decode or self.eager_decode, self.model.params, self.cache

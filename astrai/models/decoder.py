@@ -10,6 +10,8 @@ Notable features:
 - Logits are float32 whatever the parameter dtype (sampling and losses want fp32).
 - MoE: a block's FFN is `MoEParams` where `cfg.layer_is_moe(layer)` (else the dense MLP); `hidden_states`
   can return the summed MoE aux tree for the load-balancing loss.
+- `hidden_states(run_unit=...)`: an optional runner that owns each unit's call (the embedding lookup and every
+  block), e.g. `astrai.train.fsdp.BlockGather`, which all-gathers the unit's sharded parameters just for it.
 - MLA (`cfg.attn_type == "mla"`, DeepSeek): a block's attention is `MLAParams` run by `astrai.nn.mla.mla`; the
   rope tables have width qk_rope_head_dim and the paged pool is a `LatentCache` (one latent tensor per layer).
 
@@ -18,7 +20,8 @@ Not here: the embedding encoder (`models/encoder.py`); bidirectional MLA.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -218,6 +221,7 @@ def hidden_states(
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     return_aux: bool = False,
+    run_unit: Callable[..., Any] | None = None,
 ) -> Tensor | tuple[Tensor, MoEAux | None]:
     """The residual stream after the last block (before the final norm); same leading shape as `tokens`.
 
@@ -228,6 +232,10 @@ def hidden_states(
     embedding lookup (NEFTune adds noise to it), `checkpoint_blocks` recomputes each block in backward
     (activation checkpointing: stores only the block inputs). Encoder extras (dense mode): `causal=False` runs
     the blocks bidirectionally and `key_padding_mask` ([B, T] bool, True for real tokens) hides padded keys.
+
+    `run_unit(fn, unit_params, *args, checkpoint=bool, **kwargs)`, when given, makes each call of the embedding
+    lookup and of every block (`fn(unit_params', *args, **kwargs)`), and owns activation checkpointing of the
+    blocks (FSDP per block: `astrai.train.fsdp.BlockGather` gathers each unit's shards for that call only).
     """
     if (meta is None) != (cache is None):
         raise ValueError("pass meta and cache together (paged mode) or neither (dense mode)")
@@ -251,12 +259,17 @@ def hidden_states(
         head_dim=cfg.rope_dim,
         max_position_embeddings=cfg.max_position_embeddings,
     )
-    x = embed(params.embed_tokens, tokens) if embeds is None else embeds
+    if embeds is not None:
+        x = embeds
+    else:
+        x = embed(params.embed_tokens, tokens) if run_unit is None else run_unit(embed, params.embed_tokens, tokens)
     aux = None
     for layer, block in enumerate(params.blocks):
         ctx = BlockContext(layer=layer, cos=cos, sin=sin, meta=meta, cache=layer_cache(cache, layer), doc_ids=doc_ids,
                            causal=causal, key_padding_mask=key_padding_mask, with_aux=return_aux)  # fmt: skip
-        if checkpoint_blocks:
+        if run_unit is not None:
+            x, layer_aux = run_unit(_block, block, x, ctx, checkpoint=checkpoint_blocks, cfg=cfg)
+        elif checkpoint_blocks:
             x, layer_aux = torch.utils.checkpoint.checkpoint(_block, block, x, ctx, cfg=cfg, use_reentrant=False)
         else:
             x, layer_aux = _block(block, x, ctx, cfg=cfg)

@@ -45,11 +45,69 @@ class DPOConfig:
 
 
 @attrs.frozen(kw_only=True)
+class GRPOConfig:
+    """Online GRPO: rollouts from astrai's `Engine` on `grpo` prompts, rewards, group advantages and TRL's clipped
+    objective (`astrai.train.grpo`, `astrai.train.rollout`; losses in `astrai.train.preference`)."""
+
+    num_generations: int = 8
+    """G: completions sampled per prompt (>= 2; `batch_size` counts prompts, so a micro-batch has batch_size * G
+    rows)."""
+    max_completion_tokens: int = 64
+    """Tokens generated per completion at most (prompt + this must fit in seq_len)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trained log-probs are softmax(logits / temperature), as TRL."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    beta: float = 0.0
+    """k3 KL coefficient to the reference (the start weights, or the LoRA base); 0 skips the reference."""
+    epsilon_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - epsilon_low."""
+    epsilon_high: float = 0.2
+    """Upper clip range: 1 + epsilon_high (DAPO's clip-higher uses 0.28)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """Normalisation: grpo (per-sequence mean), bnpo (per-micro-batch token mean), dr_grpo (over batch *
+    max_completion_tokens), dapo (over the global batch's completion tokens); TRL's names and default."""
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward std (False: Dr. GRPO)."""
+    num_iterations: int = 1
+    """Optimizer steps per rollout batch (mu); above 1 the ratio uses the log-probs recorded at rollout time."""
+    rewards: tuple[str, ...] = ("exact_match",)
+    """Reward function names (`astrai.train.rewards`: exact_match, exact_match:RULE, format, regex:PATTERN, code,
+    or package.module:function)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward (empty: all 1)."""
+
+    def __attrs_post_init__(self) -> None:
+        from astrai.train.rewards import resolve_reward
+
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations must be >= 2 (G = 1 has no group to compare with: every "
+                             f"advantage would be 0), got {self.num_generations}")  # fmt: skip
+        for name in ("max_completion_tokens", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"grpo.temperature must be > 0 (GRPO needs diverse samples), got {self.temperature}")
+        if self.beta < 0 or self.epsilon_low < 0 or self.epsilon_high < 0:
+            raise ValueError("grpo.beta, grpo.epsilon_low and grpo.epsilon_high must be >= 0")
+        if not self.rewards:
+            raise ValueError("grpo.rewards: give at least one reward function")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weights for "
+                             f"{len(self.rewards)} rewards")  # fmt: skip
+        for name in self.rewards:
+            resolve_reward(name)  # an unknown name fails here, before any rollout
+
+
+@attrs.frozen(kw_only=True)
 class TrainConfig:
     """One training run."""
 
     data: Path
-    """Preprocessed shard folder (`astrai preprocess` output): pretraining text, packed SFT rows or DPO pairs."""
+    """Preprocessed shard folder (`astrai preprocess` output): pretraining text, packed SFT rows, DPO pairs or GRPO
+    prompts (GRPO also reads a JSONL file of prompts)."""
     out_dir: Path = Path("runs/train")
     """Run folder: config.json, metrics.jsonl, loss.png, checkpoints/, model/ (the final weights)."""
     model: str = "tiny"
@@ -61,9 +119,9 @@ class TrainConfig:
     val_fraction: float = 0.0
     """Share of `data` items held out for eval loss when `val_data` is not given."""
     seq_len: int = 512
-    """Tokens per row (DPO: per prompt + response side; every pair is padded to it)."""
+    """Tokens per row (DPO: per prompt + response side; GRPO: prompt + completion; rows are padded to it)."""
     batch_size: int = 8
-    """Rows per micro-batch on each rank."""
+    """Rows per micro-batch on each rank (GRPO: prompts, each giving num_generations rows)."""
     grad_accum: int = 1
     """Micro-batches per optimiser step (global batch = batch_size * grad_accum * ranks)."""
     steps: int = 1000
@@ -87,6 +145,8 @@ class TrainConfig:
     """Train LoRA adapters on a frozen base instead of all weights."""
     dpo: DPOConfig | None = None
     """Train with the DPO loss on `dpo` shards (None: the causal-LM loss on pretraining/SFT shards)."""
+    grpo: GRPOConfig | None = None
+    """Train online GRPO on `grpo` prompt shards, or a JSONL of {"prompt" or "messages", "answer"} records."""
     eval_every: int = 0
     """Steps between eval-loss passes (0: only at the end when there is eval data)."""
     eval_batches: int = 8
@@ -103,6 +163,13 @@ class TrainConfig:
     """torch.compile the loss (forward + backward)."""
     fsdp: bool = False
     """Under torchrun: shard weights, gradients and AdamW state across ranks (ZeRO-3 with DTensor, FSDP2-style)."""
+    fsdp_unit: Literal["block", "model"] = "block"
+    """With fsdp: all-gather each unit (embedding, each block, final norm + LM head) only while it runs and again
+    for its backward (peak: the largest unit; the loss runs eager), or the whole model per micro-batch (a full
+    copy; the loss compiles). DPO and GRPO steps always gather the whole model."""
+    fsdp_gather_dtype: Literal["fp32", "bf16"] = "fp32"
+    """With fsdp: dtype of the all-gathered weights (bf16 halves gather traffic and memory; needs precision bf16);
+    gradients are reduce-scattered in fp32 and the shards stay fp32."""
     resume: bool = False
     """Continue from the newest valid checkpoint in out_dir, falling back past corrupt ones with a warning (a
     run never overwrites checkpoints without it); a run already at `steps` says so and does nothing."""
@@ -120,10 +187,28 @@ class TrainConfig:
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.fsdp_unit not in ("block", "model"):
+            raise ValueError(f"fsdp_unit must be block or model, got {self.fsdp_unit!r}")
+        if self.fsdp_gather_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"fsdp_gather_dtype must be fp32 or bf16, got {self.fsdp_gather_dtype!r}")
+        if self.fsdp_gather_dtype == "bf16" and self.precision != "bf16":
+            raise ValueError("fsdp_gather_dtype bf16 needs precision bf16 (the gathered weights compute)")
+        if self.fsdp and self.lora is not None and self.dpo is not None:
+            raise ValueError("dpo with lora and fsdp is not supported yet: drop --fsdp (the adapters are small)")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.dpo is not None and (self.val_data is not None or self.val_fraction > 0):
             raise ValueError("DPO runs have no eval pass yet: drop val_data and set val_fraction 0")
+        if self.grpo is not None:
+            if self.dpo is not None:
+                raise ValueError("a run trains either dpo or grpo, not both")
+            if self.val_data is not None or self.val_fraction > 0:
+                raise ValueError("GRPO runs have no eval pass yet: drop val_data and set val_fraction 0")
+            if self.fsdp:
+                raise ValueError("grpo with fsdp is not supported: the rollout engine reads whole weights")
+            if self.grpo.max_completion_tokens >= self.seq_len:
+                raise ValueError(f"grpo.max_completion_tokens {self.grpo.max_completion_tokens} leaves no room for "
+                                 f"the prompt in seq_len {self.seq_len}")  # fmt: skip
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

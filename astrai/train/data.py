@@ -1,14 +1,18 @@
 """Training data for the loop: open the shard folder of a run, split off eval items, and yield micro-batches.
 
-The kind (pretraining windows, packed SFT rows, or DPO pairs for a run with `TrainConfig.dpo`) comes from the
-folder's meta.json. DPO micro-batches are `DPOBatch`es: the pairs padded to seq_len (one shape for the compiled
-step) and their dataset indices, which key the precomputed reference log-probs. Each optimiser step takes
+The kind (pretraining windows, packed SFT rows, DPO pairs for a run with `TrainConfig.dpo`, or GRPO prompts for
+one with `TrainConfig.grpo`) comes from the folder's meta.json; a GRPO run also takes a JSONL file of {"prompt" or
+"messages", "answer"} records, preprocessed once into RUN/prompts (`prompt_shards`). DPO micro-batches are
+`DPOBatch`es: the pairs padded to seq_len (one shape for the compiled step) and their dataset indices, which key
+the precomputed reference log-probs. Each optimiser step takes
 one sampler batch of `batch_size * grad_accum` items on this rank and cuts it into `grad_accum` micro-batches,
 so the data order depends only on (seed, global batch), not on how it is split across ranks or micro-batches.
+GRPO micro-batches are `PromptBatch`es (host lists of prompts) that `astrai.train.rollout` turns into completions.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -18,10 +22,22 @@ import torch
 from torch import Tensor
 
 from astrai.data.batch import LMBatch
-from astrai.data.datasets import DPODataset, PairBatch, PretrainDataset, SFTDataset, collate, collate_pairs
+from astrai.data.config import config_from_dict
+from astrai.data.datasets import (
+    DPODataset,
+    GRPODataset,
+    PairBatch,
+    PretrainDataset,
+    SFTDataset,
+    collate,
+    collate_pairs,
+)
+from astrai.data.preprocess import preprocess
 from astrai.data.sampler import ResumableSampler
 from astrai.data.shards import ShardError
 from astrai.io.checkpoint import read_json
+from astrai.io.tokenizer import Tokenizer
+from astrai.train import distributed
 from astrai.train.config import TrainConfig
 from astrai.tree import pytree
 
@@ -44,6 +60,38 @@ class DPOBatch:
     index: Tensor
 
 
+@attrs.frozen(eq=False)
+class PromptBatch:
+    """One GRPO micro-batch before its rollout: dataset indices and items ({"prompt": ids, "answer": str | None})."""
+
+    indices: list[int]
+    items: list[dict]
+
+
+def prompt_shards(jsonl: Path, out: Path, tokenizer: Tokenizer, *, max_prompt_len: int) -> Path:
+    """Preprocess a JSONL of {"prompt" (a string: one user turn) or "messages" (a conversation), "answer"} records
+    into GRPO shards at `out` (rank 0 writes them once, the others wait; an existing folder is reused). Prompts
+    get the chat template's generation prompt and keep their last `max_prompt_len` tokens."""
+    if distributed.env_rank() == 0 and not (out / "meta.json").is_file():
+        with open(jsonl, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+        if first is None:
+            raise ValueError(f"{jsonl}: no records")
+        record = json.loads(first)
+        field = "messages" if "messages" in record else "prompt"
+        section = {"field": field, "template": True, "action": "mask"}
+        if field == "prompt":
+            section["role"] = "user"
+        cfg = config_from_dict({
+            "kind": "grpo", "inputs": [str(jsonl)], "output": str(out), "prompt": [section],
+            "answer_field": "answer" if "answer" in record else None,
+            "preprocessing": {"max_seq_len": max_prompt_len, "truncation_mode": "keep_end"},
+        })  # fmt: skip
+        preprocess(cfg, tokenizer=tokenizer)
+    distributed.barrier()
+    return out
+
+
 def dpo_batch(items: Sequence[dict[str, Tensor]], indices: Sequence[int], *, pad_id: int, seq_len: int) -> DPOBatch:
     """Pad DPO items to seq_len into a `DPOBatch` (reference log-probs zero until the loop sets them)."""
     pairs = collate_pairs(items, pad_id=pad_id, length=seq_len)
@@ -64,20 +112,40 @@ def _open_dpo(path: str | Path, seq_len: int) -> DPODataset:
     return data
 
 
-def open_dataset(path: str | Path, seq_len: int, *, dpo: bool = False) -> PretrainDataset | SFTDataset | DPODataset:
-    """The dataset of a shard folder: pretrain or sft kind for the causal-LM loss, dpo kind when `dpo`."""
+def _open_grpo(path: str | Path, max_prompt_len: int) -> GRPODataset:
+    data = GRPODataset(path)
+    longest = max((int(np.diff(s.arrays["prompt_offsets"]).max(initial=0)) for s in data.records.shards), default=0)
+    if longest > max_prompt_len:
+        raise ShardError(
+            f"{path}: prompts are up to {longest} tokens, more than seq_len - grpo.max_completion_tokens = "
+            f"{max_prompt_len}; raise --seq-len or preprocess with max_seq_len <= {max_prompt_len}"
+        )
+    return data
+
+
+def open_dataset(
+    path: str | Path, seq_len: int, *, dpo: bool = False, grpo_prompt_len: int | None = None
+) -> PretrainDataset | SFTDataset | DPODataset | GRPODataset:
+    """The dataset of a shard folder: pretrain or sft kind for the causal-LM loss, dpo kind when `dpo`, grpo kind
+    (prompts of at most `grpo_prompt_len` tokens) when that is given."""
     meta_path = Path(path) / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{path}: no meta.json; run `astrai preprocess` to build training shards")
     kind = read_json(meta_path).get("kind")
+    if grpo_prompt_len is not None:
+        if kind != "grpo":
+            raise ValueError(f"{path} holds {kind!r} data; a GRPO run takes 'grpo' shards or a JSONL of prompts")
+        return _open_grpo(path, grpo_prompt_len)
     if dpo:
         if kind != "dpo":
             raise ValueError(f"{path} holds {kind!r} data; a DPO run takes 'dpo' shards (`astrai preprocess`)")
         return _open_dpo(path, seq_len)
     if kind == "dpo":
         raise ValueError(f"{path} holds DPO pairs; train them with a DPO recipe (`astrai train dpo-tiny --data ...`)")
+    if kind == "grpo":
+        raise ValueError(f"{path} holds GRPO prompts; train them with a GRPO recipe (`astrai train grpo-tiny`)")
     if kind not in _DATASETS:
-        raise ValueError(f"{path} holds {kind!r} data; `astrai train` takes 'pretrain', 'sft' or 'dpo' shards")
+        raise ValueError(f"{path} holds {kind!r} data; `astrai train` takes 'pretrain', 'sft', 'dpo' or 'grpo' shards")
     return _DATASETS[kind](path, seq_len)
 
 
@@ -97,10 +165,19 @@ class _Subset:
 class TrainData:
     """The train/eval datasets of a run and its resumable sampler (host objects)."""
 
-    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int) -> None:
-        data = open_dataset(cfg.data, cfg.seq_len, dpo=cfg.dpo is not None)
+    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, tokenizer: Tokenizer | None = None) -> None:
+        path, prompt_len = cfg.data, None
+        if cfg.grpo is not None:
+            prompt_len = cfg.seq_len - cfg.grpo.max_completion_tokens
+            if Path(cfg.data).is_file():
+                if tokenizer is None:
+                    raise ValueError(f"{cfg.data}: rendering JSONL prompts needs a tokenizer (--tokenizer)")
+                path = prompt_shards(
+                    Path(cfg.data), Path(cfg.out_dir) / "prompts", tokenizer, max_prompt_len=prompt_len
+                )
+        data = open_dataset(path, cfg.seq_len, dpo=cfg.dpo is not None, grpo_prompt_len=prompt_len)
         self.rank, self.world_size, self.seq_len = rank, world_size, cfg.seq_len
-        self.dpo = cfg.dpo is not None
+        self.dpo, self.grpo = cfg.dpo is not None, cfg.grpo is not None
         if cfg.val_data is not None:
             self.train, self.val = data, open_dataset(cfg.val_data, cfg.seq_len)
         elif cfg.val_fraction > 0:
@@ -113,13 +190,17 @@ class TrainData:
             len(self.train), batch_size=cfg.batch_size * cfg.grad_accum, seed=cfg.seed, rank=rank, world_size=world_size
         )
 
-    def train_batches(self, batch_size: int, grad_accum: int) -> Iterator[list[LMBatch] | list[DPOBatch]]:
+    def train_batches(
+        self, batch_size: int, grad_accum: int
+    ) -> Iterator[list[LMBatch] | list[DPOBatch] | list[PromptBatch]]:
         """Endless: one list of `grad_accum` micro-batches per optimiser step, epoch after epoch."""
         while True:
             for indices in self.sampler:
                 items = [self.train[i] for i in indices]
                 parts = [slice(k * batch_size, (k + 1) * batch_size) for k in range(grad_accum)]
-                if self.dpo:
+                if self.grpo:
+                    yield [PromptBatch(indices[p], items[p]) for p in parts]
+                elif self.dpo:
                     pad = self.train.pad_id
                     yield [dpo_batch(items[p], indices[p], pad_id=pad, seq_len=self.seq_len) for p in parts]
                 else:
@@ -135,6 +216,6 @@ class TrainData:
         ]
 
 
-def open_data(cfg: TrainConfig, *, rank: int, world_size: int) -> TrainData:
-    """`TrainData` for a run on rank `rank` of `world_size`."""
-    return TrainData(cfg, rank=rank, world_size=world_size)
+def open_data(cfg: TrainConfig, *, rank: int, world_size: int, tokenizer: Tokenizer | None = None) -> TrainData:
+    """`TrainData` for a run on rank `rank` of `world_size` (`tokenizer` renders a GRPO run's JSONL prompts)."""
+    return TrainData(cfg, rank=rank, world_size=world_size, tokenizer=tokenizer)

@@ -15,7 +15,9 @@ that step is saved (`TrainConfig.stop_on_nonfinite`).
 
 With `TrainConfig.dpo` the step is `astrai.train.dpo.DPOStep` on DPO pairs; the reference log-probs come from the
 start weights (`astrai.train.dpo.make_reference`, set up before a resume loads newer weights) and are filled into
-each micro-batch before the step.
+each micro-batch before the step. With `TrainConfig.grpo` the step is `astrai.train.grpo.GRPOStep` on rollout
+batches: `astrai.train.rollout.Rollouts` (set up from the start weights like the DPO reference) generates them with
+an `Engine` serving the trainer's own tensors, and drops the engine's prefix cache after every optimizer step.
 
 The base model is a `ModelConfig` (random init) or `TrainConfig.model` as a folder; resolving a name such as
 "tiny" to a `ModelConfig` is the caller's job (the CLI reads `configs/models.py`: the library never imports it).
@@ -59,11 +61,13 @@ from astrai.train.checkpoint import (
 from astrai.train.config import TrainConfig, config_to_dict
 from astrai.train.data import DPOBatch, TrainData, open_data
 from astrai.train.dpo import DPOStep, batch_rows, make_reference
-from astrai.train.fsdp import full_tree, gather_tree, load_into_shards_, make_mesh, shard_tree
+from astrai.train.fsdp import BlockGather, full_tree, load_into_shards_, make_mesh, shard_tree
+from astrai.train.grpo import GRPOStep
 from astrai.train.metrics import MetricsLog
 from astrai.train.optim import adamw_state_dict, load_optimizer_state, uses_muon
 from astrai.train.plot import loss_curve_png
 from astrai.train.progress import TrainProgress
+from astrai.train.rollout import Rollouts, make_rollouts
 from astrai.train.schedule import lr_at
 from astrai.train.signals import StopRequest
 from astrai.train.step import StepOptions, TrainState, TrainStep, eval_sums, full_params, init_train_state
@@ -127,7 +131,8 @@ class _Run:
         self.run_dir = Path(cfg.out_dir)
         torch.manual_seed(cfg.seed)
         self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, model_cfg, self.device)
-        self.data: TrainData = open_data(cfg, rank=self.dist.rank, world_size=self.dist.world_size)
+        self.data: TrainData = open_data(cfg, rank=self.dist.rank, world_size=self.dist.world_size,
+                                         tokenizer=self.tokenizer)  # fmt: skip
         # trainable: what the optimiser updates; frozen + to_params: how the forward's tree is built from it
         self.lora_cfg = cfg.lora
         if cfg.lora is None:
@@ -135,11 +140,12 @@ class _Run:
         else:
             trainable = init_lora(self.base, cfg.lora, seed=cfg.seed)
             self.frozen, self.to_params = self.base, apply_lora
-        if cfg.fsdp and cfg.lora is not None:
-            raise ValueError("fsdp with lora is not supported: the adapters are small, use plain data parallel")
         self.sharded = cfg.fsdp and self.dist.world_size > 1  # ZeRO-3 over the ranks (astrai.train.fsdp)
         if self.sharded:
-            trainable = shard_tree(trainable, make_mesh(self.device))
+            mesh = make_mesh(self.device)
+            trainable = shard_tree(trainable, mesh)
+            if cfg.lora is not None:  # the frozen base is sharded too (TrainConfig refuses DPO + LoRA + FSDP)
+                self.frozen, self.base = shard_tree(self.base, mesh), None
         self.state: TrainState = init_train_state(trainable, cfg.optim)
         self.opts = StepOptions(
             max_grad_norm=cfg.max_grad_norm,
@@ -154,17 +160,32 @@ class _Run:
                 self.model_cfg, self.opts, cfg.optim, cfg.dpo, trainable=self.state.trainable,
                 to_params=self.to_params, sharded=self.sharded,
             )  # fmt: skip
+        elif cfg.grpo is not None:
+            self.step_fn = GRPOStep(
+                self.model_cfg, self.opts, cfg.optim, cfg.grpo, trainable=self.state.trainable,
+                to_params=self.to_params, sharded=self.sharded,
+            )  # fmt: skip
         else:
             self.step_fn = TrainStep(
                 self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
-                sharded=self.sharded,
+                sharded=self.sharded, fsdp_unit=cfg.fsdp_unit,
+                fsdp_param_dtype=torch.bfloat16 if cfg.fsdp_gather_dtype == "bf16" else None,
             )  # fmt: skip
         self.reference = None  # DPO: batch -> [2, B] reference log-probs (`prepare_reference`)
+        self.rollouts: Rollouts | None = None  # GRPO: the engine, rewards and reference (`prepare_reference`)
         self.schedule = cfg.schedule if cfg.schedule.total_steps else attrs.evolve(cfg.schedule, total_steps=cfg.steps)
         self.step, self.tokens_seen = 0, 0
 
     def prepare_reference(self, resuming: bool) -> None:
-        """DPO: set up the reference log-probs from the start weights (call before `resume` changes them)."""
+        """DPO: set up the reference log-probs from the start weights (call before `resume` changes them); GRPO:
+        the rollouts and their reference (a copy of the start weights, or the LoRA base: no copy)."""
+        if self.cfg.grpo is not None:
+            self.rollouts = make_rollouts(
+                self.cfg.grpo, start=self.base, shared=self.lora_cfg is not None, model_cfg=self.model_cfg,
+                policy=self.to_params(self.frozen, self.state.trainable), tokenizer=self.tokenizer, eos=self.eos,
+                opts=self.opts, seq_len=self.cfg.seq_len, prompts_per_step=self.cfg.batch_size * self.cfg.grad_accum,
+                seed=self.cfg.seed, device=self.device,
+            )  # fmt: skip
         if self.cfg.dpo is None:
             return
         self.reference = make_reference(
@@ -176,12 +197,10 @@ class _Run:
     # ---- weights ------------------------------------------------------------------------------------------
     def params(self) -> DecoderParams:
         """The full parameter tree (LoRA merged) as plain detached tensors; collective when sharded."""
-        trainable = self.state.trainable
-        if self.sharded:
-            return full_tree(trainable)
+        trainable = full_tree(self.state.trainable) if self.sharded else self.state.trainable
         if self.lora_cfg is None:
             return trainable
-        return merge_lora(self.base, trainable)
+        return merge_lora(full_tree(self.frozen) if self.sharded else self.base, trainable)
 
     def model(self) -> Model:
         params = to_device(self.params(), "cpu")
@@ -192,15 +211,19 @@ class _Run:
     def save_checkpoint(self) -> None:
         # sharded weights and moments are gathered on every rank (a collective), then rank 0 writes them
         model = self.model() if self.lora_cfg is None and (self.dist.is_main or self.sharded) else None
-        # the same verdict on every rank: replicas are identical, and sharded runs check the gathered model
-        if self.cfg.stop_on_nonfinite and not _all_finite(model.params if self.sharded else self.state.trainable):
+        adapters = None  # LoRA: the adapters to write, gathered on every rank when sharded
+        if self.lora_cfg is not None:
+            adapters = full_tree(self.state.trainable) if self.sharded else self.state.trainable
+        gathered = adapters if adapters is not None else (model.params if self.sharded else self.state.trainable)
+        # the same verdict on every rank: replicas are identical, and sharded runs check the gathered weights
+        if self.cfg.stop_on_nonfinite and not _all_finite(gathered):
             raise NonFiniteError(_nonfinite_message(self, "the updated weights are not finite"))
         optimizer = adamw_state_dict(full_tree(self.state.opt) if self.sharded else self.state.opt)
         if self.dist.is_main:
 
             def write_model(folder: Path) -> None:
                 if self.lora_cfg is not None:
-                    save_lora(self.state.trainable, self.lora_cfg, folder)
+                    save_lora(adapters, self.lora_cfg, folder)
                 else:
                     save(model, folder)
 
@@ -223,7 +246,7 @@ class _Run:
         """Load checkpoint `found` (weights read in full before anything is replaced)."""
         path, state, optimizer = found.path, found.state, found.optimizer
         if self.lora_cfg is not None:
-            lora, _ = load_lora(path / "model", self.base)
+            lora, _ = load_lora(path / "model", self.base if self.base is not None else self.frozen)
             weights = named_tensors(lora)
         else:
             weights = named_tensors(load(path / "model", dtype=torch.float32, device=self.device).params)
@@ -245,10 +268,11 @@ class _Run:
         if not batches:
             return None
         batches = [to_device(batch, self.device) for batch in batches]
-        trainable = gather_tree(self.state.trainable) if self.sharded else self.state.trainable
+        # sharded: one unit (embedding, block, head) gathered at a time, as in the train step
         total, count = eval_sums(
-            trainable, self.frozen, batches, cfg=self.model_cfg, opts=self.opts, to_params=self.to_params
-        )
+            self.state.trainable, self.frozen, batches, cfg=self.model_cfg, opts=self.opts,
+            to_params=self.to_params, run_unit=BlockGather() if self.sharded else None,
+        )  # fmt: skip
         if self.dist.world_size > 1:
             both = torch.stack([total, count])
             torch.distributed.all_reduce(both)
@@ -342,9 +366,13 @@ def _step(run: _Run, batches: Iterator[list[LMBatch] | list[DPOBatch]]) -> dict[
     optim = run.cfg.optim
     lr = lr_at(run.schedule, optim.lr, run.step)
     muon_lr = lr_at(run.schedule, optim.muon.lr, run.step) if uses_muon(optim) and optim.muon.lr is not None else None
+    t1 = time.perf_counter()
     metrics = run.step_fn(run.state, micro, lr, run.frozen, muon_lr=muon_lr)
     run.step += 1
     values: dict[str, Any] = {k: v.item() for k, v in metrics.items()}
+    if run.rollouts is not None:
+        run.rollouts.after_step()  # the weights changed in place: no prefix K/V of the old ones may be reused
+        values.update(run.rollouts.metrics, train_s=time.perf_counter() - t1)
     run.tokens_seen += int(values.pop("tokens"))
     values["lr"] = lr
     values["tok_s"] = batch_rows(micro) * run.dist.world_size / (time.perf_counter() - t0)
@@ -362,6 +390,8 @@ def _train(run: _Run, found: Resumable | None) -> TrainResult:
         write_json(run.run_dir / "config.json", config_to_dict(cfg))
     log_cm = MetricsLog(run.run_dir / "metrics.jsonl", resume_step=run.step) if main else nullcontext()
     batches = run.data.train_batches(cfg.batch_size, cfg.grad_accum)
+    if run.rollouts is not None:
+        batches = run.rollouts.batches(batches, run.step)
     last_loss = last_eval = None
     stopped = False
     with log_cm as log, StopRequest() as stop, TrainProgress(cfg.steps, start=run.step, enabled=main) as progress:

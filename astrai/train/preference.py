@@ -56,6 +56,7 @@ def token_logprobs_of(
     chunk_size: int = 4096,
     positions: Tensor | None = None,
     checkpoint_blocks: bool = False,
+    temperature: float = 1.0,
 ) -> Tensor:
     """Per-position log p(tokens[:, t + 1] | tokens[:, :t + 1]) under the model, in fp32.
 
@@ -72,6 +73,8 @@ def token_logprobs_of(
         positions: optional [B, T] int64 position ids (e.g. restarting at 0 for left padding or packed rows);
             attention then stays inside each document, as in `lm_loss`. Default: 0..T-1 on every row.
         checkpoint_blocks: recompute each block in backward (activation checkpointing, as the train step).
+        temperature: log-probs of softmax(logits / temperature), as TRL's GRPO scores completions sampled at that
+            temperature (the hidden states and the head's bias are divided by it: no logits are materialised).
 
     Returns:
         [B, T] fp32: entry t is the log-prob of the target tokens[:, t + 1] (the `LMBatch.targets` convention);
@@ -92,6 +95,8 @@ def token_logprobs_of(
     h = rms_norm(params.norm, h, eps=cfg.rms_norm_eps)  # [B, T - 1, E]
     bias = None if params.lm_head is None else params.lm_head.bias
     weight = lm_head_weight(params)
+    if temperature != 1.0:  # (h / tau) W^T + b / tau = logits / tau
+        h, bias = h / temperature, None if bias is None else bias / temperature
     logp = token_logprobs(
         h.reshape(-1, h.shape[-1]).to(weight.dtype), weight, tokens[:, 1:].reshape(-1), bias=bias, chunk_size=chunk_size
     )  # [B * (T - 1)]

@@ -18,6 +18,10 @@ Notable features:
   `to_params(frozen, trainable)` builds the tree the forward runs on.
 - Mixed precision: fp32 master weights, optional autocast (bf16 on GPUs); NEFTune noise on the embeddings
   (uniform, alpha / sqrt(T * E) as in the paper); per-block activation checkpointing.
+- FSDP (`astrai.train.fsdp`): with sharded trees the loss runs each unit (embedding, every block, final norm +
+  LM head) through a unit runner that all-gathers its shards only for that unit (`fsdp_unit="block"`, eager), or
+  the whole tree is gathered per micro-batch (`fsdp_unit="model"`, the compiled loss). DPO (`DPOStep`) uses the
+  latter.
 - MoE: the load-balancing loss (`astrai.nn.moe.load_balancing_loss`, transformers' formula) is added with
   `moe_aux_loss_coef`, weighted by the micro-batch's trained tokens so accumulation keeps a token-weighted
   mean; with one micro-batch the loss is mean CE + coef * aux, exactly as transformers computes it.
@@ -28,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -37,12 +41,13 @@ from torch import Tensor
 
 from astrai.data.batch import LMBatch, document_ids
 from astrai.models.config import ModelConfig
-from astrai.models.decoder import DecoderParams, hidden_states, lm_head_weight
+from astrai.models.decoder import DecoderParams, hidden_states
 from astrai.nn.chunked_loss import chunked_cross_entropy
-from astrai.nn.embedding import embed
+from astrai.nn.embedding import EmbeddingParams, embed
+from astrai.nn.linear import LinearParams
 from astrai.nn.moe import load_balancing_loss, router_stats
-from astrai.nn.norm import rms_norm
-from astrai.train.fsdp import clip_sharded_, gather_tree
+from astrai.nn.norm import RMSNormParams, rms_norm
+from astrai.train.fsdp import BlockGather, clip_sharded_, gather_tree
 from astrai.train.muon import muon_mask
 from astrai.train.optim import (
     AdamWConfig,
@@ -105,17 +110,20 @@ def lm_loss(
     cfg: ModelConfig,
     opts: StepOptions,
     packed: bool = True,
+    run_unit: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(loss to backpropagate = (task sum + coef * MoE aux * trained tokens) / norm, detached task sum, the MoE
     routers' detached statistics (`astrai.nn.moe.router_stats`; {} for dense models)).
 
     `packed=False` promises one document per row (pretraining windows): attention takes the plain causal path
-    instead of building a document mask.
+    instead of building a document mask. `run_unit` (FSDP per block, `astrai.train.fsdp.BlockGather`) makes the
+    call of each unit: the embedding, every block (`hidden_states`) and the head (final norm + LM head + loss).
     """
+    run = _call if run_unit is None else run_unit
     with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
         embeds = None
         if opts.neftune_alpha > 0:
-            embeds = embed(params.embed_tokens, batch.tokens)
+            embeds = run(embed, params.embed_tokens, batch.tokens)
             scale = opts.neftune_alpha / math.sqrt(embeds.shape[1] * embeds.shape[2])
             embeds = embeds + (torch.rand_like(embeds) * 2 - 1) * scale
         h, moe_aux = hidden_states(
@@ -127,18 +135,10 @@ def lm_loss(
             embeds=embeds,
             checkpoint_blocks=opts.checkpoint_blocks,
             return_aux=True,
+            run_unit=run_unit,
         )
-        h = rms_norm(params.norm, h, eps=cfg.rms_norm_eps)
-    bias = None if params.lm_head is None else params.lm_head.bias
-    task = chunked_cross_entropy(
-        h.reshape(-1, h.shape[-1]),
-        lm_head_weight(params),
-        batch.targets.reshape(-1),
-        batch.loss_mask.reshape(-1),
-        bias=bias,
-        chunk_size=opts.ce_chunk,
-        label_smoothing=opts.label_smoothing,
-    )
+    head = params.embed_tokens if params.lm_head is None else params.lm_head
+    task = run(_head_loss, (params.norm, head), h, batch, cfg=cfg, opts=opts)
     loss, stats = task, {}
     if cfg.ffn_type == "moe" and moe_aux is not None:
         stats = {k: v.detach() for k, v in router_stats(moe_aux).items()}
@@ -146,6 +146,30 @@ def lm_loss(
             # token-weighted so that summing micro-batch losses / norm gives coef * (token-weighted mean aux)
             loss = loss + opts.moe_aux_loss_coef * load_balancing_loss(moe_aux) * batch.loss_mask.sum()
     return loss / norm, task.detach(), stats
+
+
+def _call(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
+    """The plain unit runner: `fn(params, *args, **kwargs)`."""
+    return fn(params, *args, **kwargs)
+
+
+def _head_loss(
+    head: tuple[RMSNormParams, EmbeddingParams | LinearParams], h: Tensor, batch: LMBatch, *, cfg: ModelConfig,
+    opts: StepOptions,
+) -> Tensor:  # fmt: skip
+    """The head unit: final norm (under autocast) then the chunked cross-entropy sum over trained tokens."""
+    norm, out = head
+    with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
+        h = rms_norm(norm, h, eps=cfg.rms_norm_eps)
+    return chunked_cross_entropy(
+        h.reshape(-1, h.shape[-1]),
+        out.weight,
+        batch.targets.reshape(-1),
+        batch.loss_mask.reshape(-1),
+        bias=out.bias if isinstance(out, LinearParams) else None,
+        chunk_size=opts.ce_chunk,
+        label_smoothing=opts.label_smoothing,
+    )
 
 
 def full_params(frozen: Any, trainable: Any) -> Any:
@@ -163,6 +187,7 @@ def train_loss(
     cfg: ModelConfig,
     opts: StepOptions,
     to_params: Callable[[Any, Any], DecoderParams] = full_params,
+    run_unit: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """`lm_loss` on the tree `to_params(frozen, trainable)`: the function the train step compiles.
 
@@ -178,11 +203,13 @@ def train_loss(
         cfg: the model's config.
         opts: the step's static settings.
         to_params: builds the forward's tree from (frozen, trainable), e.g. `apply_lora` or `full_params`.
+        run_unit: FSDP per block: the runner that gathers each unit's shards (`trainable`/`frozen` then hold
+            `Shard(0)` DTensors); None: the trees are plain tensors.
 
     Returns:
         As `lm_loss`.
     """
-    return lm_loss(to_params(frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed)
+    return lm_loss(to_params(frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed, run_unit=run_unit)
 
 
 @torch.no_grad()
@@ -194,18 +221,20 @@ def eval_sums(
     cfg: ModelConfig,
     opts: StepOptions,
     to_params: Callable[[Any, Any], DecoderParams] = full_params,
+    run_unit: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(summed task loss, trained tokens) over `batches` on this rank, eager; the eval loss is their ratio.
 
-    Takes the same inputs as `train_loss` (full, unsharded `trainable`; batches on the params' device), so
-    the eval pass reads nothing from the train step object.
+    Takes the same inputs as `train_loss` (full, unsharded `trainable`, or sharded ones with `run_unit`, e.g.
+    `astrai.train.fsdp.BlockGather()`, which gathers one unit at a time; batches on the params' device), so the
+    eval pass reads nothing from the train step object.
     """
     params = to_params(frozen, trainable)
     device = batches[0].tokens.device if batches else None
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     one = torch.ones((), device=device)
     for batch in batches:
-        _, task_sum, _ = lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=is_packed(batch))
+        _, task_sum, _ = lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=is_packed(batch), run_unit=run_unit)
         total += task_sum
         count += batch.loss_mask.sum()
     return total, count
@@ -250,13 +279,29 @@ class TrainStep:
         trainable: Any,
         to_params: Callable[[Any, Any], DecoderParams] = full_params,
         sharded: bool = False,
+        fsdp_unit: Literal["block", "model"] = "block",
+        fsdp_param_dtype: torch.dtype | None = None,
+        fsdp_reduce_dtype: torch.dtype | None = torch.float32,
     ) -> None:
+        """`sharded`: the trainable leaves (and those of a LoRA `frozen` base, if sharded) are `Shard(0)` DTensors
+        (`astrai.train.fsdp`). `fsdp_unit` "block" gathers each unit (embedding, block, head) only while it runs
+        (eager: the loss is not compiled), "model" gathers the whole tree per micro-batch (the compiled loss);
+        subclasses with their own `micro_loss` (DPO) always use "model". `fsdp_param_dtype` / `fsdp_reduce_dtype`:
+        the all-gather and the gradient reduce-scatter dtypes (mixed precision; None: the shards' dtype)."""
+        if fsdp_unit not in ("block", "model"):
+            raise ValueError(f"fsdp_unit must be 'block' or 'model', got {fsdp_unit!r}")
+        if fsdp_param_dtype not in (None, torch.float32, opts.autocast_dtype):
+            raise ValueError(f"fsdp_param_dtype {fsdp_param_dtype} needs autocast in that dtype (autocast_dtype is "
+                             f"{opts.autocast_dtype}): the gathered weights are the compute weights")  # fmt: skip
         self.opts, self.optim = opts, optim
-        self.sharded = sharded  # trainable leaves are Shard(0) DTensors (astrai.train.fsdp)
+        self.sharded = sharded
+        self.per_block = sharded and fsdp_unit == "block" and type(self).micro_loss is TrainStep.micro_loss
+        self.gather_dtypes = {"param_dtype": fsdp_param_dtype, "reduce_dtype": fsdp_reduce_dtype}
         self.decay = decay_mask(trainable)  # from the tree's names and shapes only
         self.muon = muon_mask(trainable) if uses_muon(optim) else None
-        loss = functools.partial(train_loss, cfg=cfg, opts=opts, to_params=to_params)
-        self.loss = torch.compile(loss) if opts.compile else loss
+        run_unit = BlockGather(**self.gather_dtypes) if self.per_block else None
+        loss = functools.partial(train_loss, cfg=cfg, opts=opts, to_params=to_params, run_unit=run_unit)
+        self.loss = torch.compile(loss) if opts.compile and not self.per_block else loss
 
     def __call__(
         self,
@@ -283,8 +328,11 @@ class TrainStep:
         total = torch.zeros((), device=counts.device)
         stats: dict[str, Tensor] = {}  # statistics summed over micro-batches (and ranks below)
         for mb in micro_batches:
-            trainable = gather_tree(state.trainable) if self.sharded else state.trainable
-            loss, task_sum, mb_stats = self.micro_loss(trainable, frozen, mb, norm)
+            trainable, frozen_mb = state.trainable, frozen
+            if self.sharded and not self.per_block:  # fsdp_unit "model": one full copy per micro-batch
+                trainable = gather_tree(trainable, **self.gather_dtypes)
+                frozen_mb = gather_tree(frozen, **self.gather_dtypes) if frozen is not None else None
+            loss, task_sum, mb_stats = self.micro_loss(trainable, frozen_mb, mb, norm)
             loss.backward()
             total += task_sum
             for name, value in mb_stats.items():

@@ -1,8 +1,9 @@
 """`astrai quickstart` as `make run` runs it (reduced only in the number of held-out problems scored): the whole
 pipeline, and the accuracy it must reach. Measured 100% on all 810 held-out problems (docs/benchmarks.md).
-This is the suite's slowest test (~3 minutes on 2 cores): a shorter run is not reliable, because the loss
-leaves its plateau somewhere between steps 300 and 550 depending on the numerics (a batch-8 eager run stayed
-on it for all 800 steps)."""
+This is the suite's slowest test (~3.5 minutes on 2 cores): a shorter run is not reliable. The loss leaves its
+plateau (answer digits guessed) at a step that depends on the numerics: with AdamW anywhere between ~200 and
+~550 (CI's machine once left it only at ~500 and scored 17.5%), with Muon (the default) at ~200 on every seed
+and core count tried, so 800 steps leave a wide margin."""
 
 import io
 

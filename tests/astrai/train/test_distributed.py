@@ -1,5 +1,6 @@
 """Data parallel on CPU: 2 gloo processes under torchrun reproduce the 1-process run with the same global batch,
-plain (all-reduced gradients) and sharded (FSDP-style DTensor shards, stopped and resumed halfway)."""
+plain (all-reduced gradients) and sharded (FSDP-style DTensor shards gathered one block at a time, stopped and
+resumed halfway), also with LoRA (base and adapters sharded; the final model is the merged one)."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 
 from astrai.configs.models import tiny
 from astrai.io.model import load
+from astrai.nn.lora import LoRAConfig
 from astrai.train import loop
 from astrai.train.config import config_to_dict
 from astrai.train.metrics import read_metrics
@@ -27,10 +29,12 @@ def _torchrun(cfg, path, *extra):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["all-reduce", "fsdp"])
-def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path, fsdp):
+@pytest.mark.parametrize(("fsdp", "lora"), [(False, None), (True, None), (True, LoRAConfig())],
+                         ids=["all-reduce", "fsdp", "fsdp-lora"])  # fmt: skip
+def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path, fsdp, lora):
     schedule = ScheduleConfig(kind="cosine", warmup_steps=1, total_steps=4)  # fixed, so a 2-step run can resume
-    base = attrs.evolve(train_cfg, steps=4, save_every=2, val_fraction=0.0, eval_every=0, schedule=schedule)
+    base = attrs.evolve(train_cfg, steps=4, save_every=2, val_fraction=0.0, eval_every=0, schedule=schedule,
+                        lora=lora)  # fmt: skip
     single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4), tiny())
     cfg = attrs.evolve(base, out_dir=tmp_path / "ddp", batch_size=2, fsdp=fsdp)
     if fsdp:  # stop after 2 steps (sharded checkpoint gathered to rank 0), then resume from it

@@ -1,0 +1,176 @@
+"""FSDP per block (`astrai.train.fsdp.BlockGather`) on 2 gloo ranks: the loss trajectory and the trained weights
+equal one process on the same global batches (plain, gradient accumulation, LoRA on a sharded base, Muon,
+activation checkpointing), the full-size gathered parameters alive at once stay within one unit (the whole-model
+gather is the negative control), bf16 gathers halve them, and a sharded checkpoint resumes on 1 and on 2 ranks.
+
+The rank processes are plain `python` processes (torchrun's agent would add seconds), started once for every
+variant (`fsdp_worker.py`); the 1-process reference runs here, from the same builders.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from astrai.configs.models import tiny
+from astrai.train import loop
+from astrai.train.config import config_to_dict
+from astrai.train.metrics import read_metrics
+from astrai.train.schedule import ScheduleConfig
+from astrai.tree import named_tensors
+
+_WORKER = Path(__file__).with_name("fsdp_worker.py")
+_spec = importlib.util.spec_from_file_location("fsdp_worker", _WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+TRAJECTORY = ("block", "accum", "lora", "muon", "ckpt")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict[str, dict]:
+    """Every variant trained on 2 gloo ranks (one pair of processes for all): name -> rank 0's results."""
+    out = tmp_path_factory.mktemp("fsdp_block")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    cmd = [sys.executable, str(_WORKER), str(out), *worker.VARIANTS]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in worker.VARIANTS}
+
+
+def _one_process(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(losses, trained tree by name) of variant `name` in this process on the whole global batches."""
+    variant = worker.VARIANTS[name]
+    step, state, frozen = worker.setup(variant)
+    losses = []
+    for batch in worker.global_batches():
+        metrics = step(state, worker.micro_batches(batch, variant.get("accum", 1), 0, 1), 3e-3, frozen)
+        losses.append(metrics["loss"].item())
+    return losses, named_tensors(state.trainable)
+
+
+@pytest.mark.parametrize("name", TRAJECTORY)
+def test_per_block_fsdp_matches_one_process(ranks, name):
+    ref_losses, ref = _one_process(name)
+    got = ranks[name]
+    # Muon's Newton-Schulz runs in bf16 (torch.optim.Muon's choice), so the last-bit difference between a gradient
+    # summed over 2 ranks and one computed in one matmul can flip a bf16 rounding: the whole-tree gather sees the
+    # same (`test_whole_model_gather_gives_the_same_losses` pins per-block FSDP to it exactly)
+    tol = 5e-5 if name == "muon" else 1e-5
+    assert got["losses"] == pytest.approx(ref_losses, abs=tol)
+    trained = named_tensors(got["trained"])
+    assert trained.keys() == ref.keys()
+    start = named_tensors(worker.setup(worker.VARIANTS[name])[1].trainable)
+    moved = max((ref[k] - start[k]).abs().max().item() for k in ref)
+    assert moved > 1e-3  # the steps changed the weights, so equal weights below mean equal updates
+    worst = max((trained[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= (1e-3 if name == "muon" else 1e-5), (name, worst)
+
+
+@pytest.mark.parametrize(("block", "model"), [("block", "model"), ("muon", "muon_model")])
+def test_whole_model_gather_gives_the_same_losses(ranks, block, model):
+    assert ranks[model]["losses"] == pytest.approx(ranks[block]["losses"], abs=1e-6)
+    got, ref = named_tensors(ranks[block]["trained"]), named_tensors(ranks[model]["trained"])
+    # per block, a tied embedding's gradient is two reduce-scatters (embedding and head units) summed in the shard,
+    # one for the whole tree: last-bit differences, which Muon's bf16 Newton-Schulz can turn into ~1e-4
+    tol = 1e-3 if block == "muon" else 1e-6
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= tol
+
+
+def test_peak_gathered_bytes_stay_within_one_unit(ranks):
+    bound = ranks["block"]["bound"]
+    per_unit = bound["block"] + bound["embed"]  # the largest block + the embedding (head) unit
+    for name in ("block", "accum", "lora", "muon", "ckpt"):
+        assert 0 < max(ranks[name]["peaks"]) <= per_unit, (name, ranks[name]["peaks"], per_unit)
+    # negative control: the whole-model gather holds every unit at once, far over the bound
+    assert max(ranks["model"]["peaks"]) > per_unit
+    assert max(ranks["model"]["peaks"]) >= bound["model"]
+    # per block, each unit is gathered again for its backward (the embedding lookup needs no weights there)
+    assert ranks["block"]["gathers"][0] > ranks["model"]["gathers"][0]
+
+
+@pytest.mark.parametrize("name", ["block", "lora"])
+def test_eval_pass_per_unit_equals_the_whole_tree_gather(ranks, name):
+    (total, count), (ref_total, ref_count) = ranks[name]["eval"]
+    assert count == ref_count > 0 and total.item() == pytest.approx(ref_total.item(), abs=1e-5)
+    bound = ranks[name]["bound"]
+    assert 0 < ranks[name]["eval_peak"] <= bound["block"] + bound["embed"] < bound["model"]
+
+
+def test_bf16_gather_halves_the_gathered_bytes(ranks):
+    bf16, fp32 = ranks["bf16"], ranks["block"]
+    assert max(bf16["peaks"]) * 2 == pytest.approx(max(fp32["peaks"]), rel=0.05)
+    ref_losses, _ = _one_process("block")
+    diffs = [abs(a - b) for a, b in zip(bf16["losses"], ref_losses, strict=True)]
+    assert max(diffs) < 5e-2 and max(diffs) > 1e-6, diffs  # close to fp32, yet computed in bf16
+
+
+# ---- checkpoints: saved by 2 FSDP ranks and resumed on 1, saved by 1 and resumed on 2 FSDP ranks -----------------
+
+
+def _torchrun(cfg, path: Path, *extra: str) -> None:
+    path.write_text(json.dumps(config_to_dict(cfg)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           "-m", "astrai.cli.main", "train", str(path), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl", kind="train")]
+
+
+def test_sharded_checkpoint_resumes_on_one_and_on_two_ranks(train_cfg, tmp_path):
+    schedule = ScheduleConfig(kind="cosine", warmup_steps=1, total_steps=4)
+    base = attrs.evolve(train_cfg, steps=4, save_every=2, val_fraction=0.0, eval_every=0, schedule=schedule)
+    single = attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4)  # same global batch as 2 x 2
+    loop.train(single, tiny())
+    ref = _losses(single.out_dir)
+    # 2 FSDP ranks save at step 2, one process resumes
+    two = attrs.evolve(base, out_dir=tmp_path / "two", batch_size=2, fsdp=True, steps=2)
+    _torchrun(two, tmp_path / "two.json")
+    shutil.copytree(two.out_dir, tmp_path / "two_then_one")
+    loop.train(attrs.evolve(single, out_dir=tmp_path / "two_then_one", resume=True), tiny())
+    # one process saves at step 2, 2 FSDP ranks resume
+    loop.train(attrs.evolve(single, out_dir=tmp_path / "one", steps=2), tiny())
+    _torchrun(attrs.evolve(base, out_dir=tmp_path / "one", batch_size=2, fsdp=True), tmp_path / "one.json", "--resume")
+    for run in ("two_then_one", "one"):
+        losses = _losses(tmp_path / run)
+        assert len(losses) == 4 and losses == pytest.approx(ref, abs=1e-5), run
+
+
+def test_step_rejects_an_unknown_unit_and_a_gather_dtype_without_autocast():
+    from astrai.train.optim import AdamWConfig
+    from astrai.train.step import StepOptions, TrainStep
+
+    cfg = worker.model_config()
+    params = worker.init_params(cfg, seed=1)
+    with pytest.raises(ValueError, match="fsdp_unit"):
+        TrainStep(cfg, StepOptions(compile=False), AdamWConfig(), trainable=params, sharded=True, fsdp_unit="layer")
+    with pytest.raises(ValueError, match="autocast"):
+        TrainStep(cfg, StepOptions(compile=False), AdamWConfig(), trainable=params, sharded=True,
+                  fsdp_param_dtype=torch.bfloat16)  # fmt: skip
+    bf16 = StepOptions(compile=False, autocast_dtype=torch.bfloat16)
+    step = TrainStep(cfg, bf16, AdamWConfig(), trainable=params, sharded=True, fsdp_param_dtype=torch.bfloat16)
+    assert step.per_block
+    assert not TrainStep(cfg, bf16, AdamWConfig(), trainable=params, sharded=True, fsdp_unit="model").per_block
