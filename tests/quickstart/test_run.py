@@ -9,24 +9,19 @@ import io
 
 from rich.console import Console
 
-from astrai.configs.models import chat_small
 from astrai.io.model import load
 from astrai.quickstart.run import QuickstartSettings, run_quickstart
 
 
-def test_reduced_quickstart_learns_two_digit_addition(tmp_path):
-    settings = QuickstartSettings(out_dir=tmp_path / "qs", eval_size=200)
-    out = io.StringIO()
-    # the model config `astrai quickstart` resolves from the default `--model chat-small`
-    result = run_quickstart(settings, Console(file=out, width=200), model_cfg=chat_small())
-    text = out.getvalue()
+def test_reduced_quickstart_learns_two_digit_addition(trained_quickstart):
+    result, text, out_dir = trained_quickstart.result, trained_quickstart.text, trained_quickstart.settings.out_dir
     assert result.n == 200 and result.accuracy >= 0.9, text[-2000:]
     assert f"accuracy: {100 * result.accuracy:.1f}%" in text
-    assert f"astrai serve --model {tmp_path / 'qs' / 'model'}" in text
-    model = load(tmp_path / "qs" / "model")  # a plain HF folder with the chat tokenizer
+    assert f"astrai serve --model {out_dir / 'model'}" in text
+    model = load(out_dir / "model")  # a plain HF folder with the chat tokenizer
     assert model.tokenizer is not None and model.tokenizer.chat_template
-    assert (tmp_path / "qs" / "train" / "loss.png").is_file()
+    assert (out_dir / "train" / "loss.png").is_file()
     # a second run reuses the saved model instead of training again
     again = io.StringIO()
-    reused = run_quickstart(QuickstartSettings(out_dir=tmp_path / "qs", eval_size=50), Console(file=again, width=200))
+    reused = run_quickstart(QuickstartSettings(out_dir=out_dir, eval_size=50), Console(file=again, width=200))
     assert "reusing the trained model" in again.getvalue() and reused.n == 50
