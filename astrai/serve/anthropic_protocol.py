@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 _FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
                      "temperature", "top_p", "top_k", "stream", "metadata", "service_tier", "cache_control",
-                     "thinking"})  # fmt: skip
+                     "thinking", "seed"})  # fmt: skip
 _KINDS = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
 
 
@@ -64,6 +64,8 @@ class MessagesRequest:
         stop: stop sequences.
         temperature, top_p, top_k: sampling settings (top_k 0 = off); None: unset (the server's default, else
             1, 1, 0).
+        seed: per-request sampling seed (an astrai extension, as on the OpenAI routes; pass it in `extra_body`);
+            None: the engine's own generator.
         stream: answer with server-sent events.
     """
 
@@ -77,6 +79,7 @@ class MessagesRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    seed: int | None = None
     stream: bool = False
 
     @property
@@ -269,13 +272,16 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
     top_k = _opt(body, "top_k", "integer")
     if top_k is not None and top_k < 0:
         raise _bad("top_k", f"Input should be greater than or equal to 0, got {top_k}")
+    seed = _opt(body, "seed", "integer")
+    if seed is not None and not -(1 << 63) <= seed < (1 << 63):
+        raise _bad("seed", f"Input should be a 64-bit integer, got {seed}")
     _opt(body, "metadata", "object")
     thinking = _opt(body, "thinking", "object", {"type": "disabled"})
     if thinking.get("type") != "disabled":
         raise _bad("thinking", "extended thinking is not supported by this server")
     return MessagesRequest(max_tokens=max_tokens, messages=tuple(chat), tools=tools, forced=forced, prefill=prefill,
                            single_call=single, stop=tuple(stop), temperature=temperature,
-                           top_p=_opt(body, "top_p", "number"), top_k=top_k,
+                           top_p=_opt(body, "top_p", "number"), top_k=top_k, seed=seed,
                            stream=_opt(body, "stream", "boolean", False))  # fmt: skip
 
 
@@ -314,4 +320,4 @@ def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = N
                           top_p=d["top_p"] if req.top_p is None else float(req.top_p),
                           top_k=d["top_k"] if req.top_k is None else req.top_k,
                           min_p=d["min_p"], repetition_penalty=d["repetition_penalty"], grammar=grammar,
-                          skip_special_tokens=not keep_special)  # fmt: skip
+                          seed=req.seed, skip_special_tokens=not keep_special)  # fmt: skip

@@ -101,9 +101,9 @@ def test_system_as_string_and_blocks(server, client, submitted):
 def test_sampling_fields_via_extra_body(server, client, submitted):
     server.script("ok")
     client.messages.create(model="m", max_tokens=8, messages=user("hi"), metadata={"user_id": "u1"},
-                           extra_body={"temperature": 0.0, "top_k": 5, "top_p": 0.9})  # fmt: skip
+                           extra_body={"temperature": 0.0, "top_k": 5, "top_p": 0.9, "seed": 7})  # fmt: skip
     params = submitted[0].params
-    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 5, 0.9, 8)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens, params.seed) == (0.0, 5, 0.9, 8, 7)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -280,6 +280,8 @@ BAD = {
     "missing max_tokens": ({k: v for k, v in GOOD.items() if k != "max_tokens"}, 400, "max_tokens"),
     "max_tokens as string": ({**GOOD, "max_tokens": "8"}, 400, "max_tokens"),
     "max_tokens zero": ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    "seed as string": ({**GOOD, "seed": "7"}, 400, "seed"),
+    "seed over 64 bits": ({**GOOD, "seed": 1 << 64}, 400, "seed"),
     "messages not a list": ({**GOOD, "messages": "hi"}, 400, "messages"),
     "empty messages": ({**GOOD, "messages": []}, 400, "messages"),
     "unknown role": ({**GOOD, "messages": [{"role": "system", "content": "x"}]}, 400, "messages.0.role"),

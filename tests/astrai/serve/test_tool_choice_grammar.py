@@ -123,7 +123,7 @@ def test_anthropic_any_and_tool_are_constrained_the_same_way(anth, stream):
         if seed % 4 == 3:
             choice = {**choice, "disable_parallel_tool_use": True}
         kwargs = dict(model="m", max_tokens=BUDGET, messages=USER, tools=tools, tool_choice=choice,
-                      extra_body={"temperature": 1.0})  # fmt: skip
+                      extra_body={"temperature": 1.0, "seed": seed})  # fmt: skip
         if stream:
             with anth.messages.stream(**kwargs) as s:
                 reply = s.get_final_message()
