@@ -10,9 +10,8 @@ cached; a grammar that does not compile is an `EngineInputError` naming the spec
 step loop), against one llguidance view of the tokenizer built on first use; each of its n sequences gets its own
 matcher.
 
-RL rollouts (`astrai.train.rollout`): the engine serves the trainer's own parameter tensors; after an optimizer step
-changes them in place, `update_params()` (or `invalidate_prefix_cache()`) drops every cached prefix, whose K/V the
-old weights computed; `update_params(tree)` switches to other tensors of the same shapes (still no copy).
+RL rollouts (`astrai.train.rollout`): the engine serves the trainer's own tensors; after an optimizer step,
+`update_params()` drops every cached prefix (old weights' K/V); `update_params(tree)` swaps tensors, no copy.
 """
 
 from __future__ import annotations
