@@ -1,12 +1,13 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run   - create .venv and run the main job
-#   make test  - create .venv, lint, and run the test suite
+#   make test  - create .venv, lint, and run the test suite (the CI set: tests marked slow are left out)
+#   make test-all - the same with the slow tests (the full quickstart's accuracy, torchrun launches, ...)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint venv bench-smoke clean
+.PHONY: run test test-all lint venv bench-smoke clean
 
 # torch is installed first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -25,6 +26,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test-all: lint
 	$(VENV)/bin/pytest -q
 
 bench-smoke: $(STAMP)

@@ -50,6 +50,9 @@ class ModelArgs:
     """Seed for reproducible sampling (requests that set no seed get one drawn from it); unset: random."""
     chat_template: str | None = None
     """A Jinja chat template file, or the template itself inline, used instead of the tokenizer's."""
+    tensor_parallel_size: Annotated[int, tyro.conf.arg(aliases=("-tp",))] = 1
+    """Split the model over N rank processes (heads, MLP columns, experts, vocab): rank r on cuda:r when there
+    are N GPUs, else all on the CPU. The checkpoint is read once, on the CPU, and sharded."""
 
 
 def model_flag_to_positional(args: Sequence[str]) -> list[str]:
@@ -130,7 +133,14 @@ def load_model(args: ModelArgs) -> Model:
 
     template = None if args.chat_template is None else run_guarded(lambda: read_chat_template(args.chat_template))
     chosen = resolve_device(args.device)
-    console.print(f"device: {chosen}" + (" (auto)" if args.device == "auto" else ""), highlight=False)
+    if args.tensor_parallel_size > 1:  # the engine shards the CPU copy and moves each shard to its rank's device
+        from astrai.inference.tp import tp_devices
+
+        devices = sorted({str(d) for d in tp_devices(args.tensor_parallel_size)})
+        console.print(f"tensor parallel: {args.tensor_parallel_size} ranks on {', '.join(devices)}", highlight=False)
+        chosen = resolve_device("cpu")
+    else:
+        console.print(f"device: {chosen}" + (" (auto)" if args.device == "auto" else ""), highlight=False)
     model = run_guarded(lambda: load(args.model, dtype=dtype_name(args.dtype), device=chosen, revision=args.revision))
     if template is not None:
         if model.tokenizer is None:
@@ -144,5 +154,5 @@ def interactive_engine(model: Model, args: ModelArgs, *, compile: bool):
     from astrai.inference.engine import Engine, EngineConfig
 
     config = EngineConfig(max_running=4, compile=compile, kv_budget_bytes=256 << 20, seed=args.seed,
-                          max_model_len=args.max_model_len)  # fmt: skip
+                          max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     return run_guarded(lambda: Engine(model, config))

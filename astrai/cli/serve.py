@@ -148,7 +148,8 @@ def engine_config(cfg: ServeConfig):
                         max_waiting=cfg.max_waiting, max_model_len=cfg.max_model_len,
                         kv_budget_tokens=cfg.kv_budget, gpu_memory_utilization=cfg.gpu_memory_utilization,
                         page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
-                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+                        tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
 
 
 def main(cfg: ServeConfig) -> None:
@@ -193,6 +194,8 @@ def main(cfg: ServeConfig) -> None:
     config = server_config(app, limits, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout,
                            log_level=cfg.log_level, log_config=logging_config(cfg.log_level))  # fmt: skip
     GracefulServer(config, engine).run()
+    if engine.fatal is not None:
+        fail(f"the server stopped: {engine.fatal}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import attrs
 import torch
 
+from astrai.inference.budget import activation_headroom, kv_budget_for_utilization
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.errors import EngineInputError
@@ -40,9 +41,10 @@ from astrai.inference.radix import RadixCache
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import Scheduler
 from astrai.inference.seq import split_n
+from astrai.inference.tp import RankFailedError, TPRunner, tp_devices
 from astrai.io.model import Model
-from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams
+from astrai.models.tp import tp_config
 from astrai.ops.attention import pages_needed
 from astrai.tree import leaves
 
@@ -91,6 +93,9 @@ class EngineConfig:
     MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
     seed: int | None = None
     """Seed for the seeds of requests that give none (None: random)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (`astrai.inference.tp`): heads, MLP columns, experts and vocab; rank r runs
+    on cuda:r when the machine has that many GPUs, else every rank on the CPU (gloo)."""
     background: bool = True
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
@@ -100,47 +105,8 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if util is not None and not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
-
-
-ACTIVATION_FIXED_BYTES = 512 << 20
-"""Part of the activation headroom that does not scale with the model: the CUDA context, cuBLAS workspaces,
-CUDA-graph pools and compile scratch."""
-
-
-def activation_headroom(cfg: ModelConfig, dtype: torch.dtype, *, max_step_tokens: int, max_running: int) -> int:
-    """Bytes kept free beside the weights and the KV pool for one step's activations (an estimate, not a profile).
-
-    A step of `max_step_tokens` tokens holds a few hidden-size rows and the MLP's gate/up/activation rows per
-    token; the sampler holds a few float32 `[max_running, vocab]` logit copies; plus ACTIVATION_FIXED_BYTES.
-    """
-    item = torch.empty((), dtype=dtype).element_size()
-    per_token = (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * item
-    logits = 4 * max_running * cfg.vocab_size * 4
-    return max_step_tokens * per_token + logits + ACTIVATION_FIXED_BYTES
-
-
-def kv_budget_for_utilization(utilization: float, *, total: int, free: int, in_use: int, headroom: int) -> int:
-    """KV pool bytes under vLLM's `gpu_memory_utilization`: `min(utilization * total - in_use, free) - headroom`.
-
-    Args:
-        utilization: fraction of the device's total memory the process may use.
-        total, free: the device's total and currently free bytes (`torch.cuda.mem_get_info`).
-        in_use: bytes this process already holds (torch's reserved memory: the weights).
-        headroom: bytes left for activations (`activation_headroom`).
-
-    Raises:
-        ValueError: nothing is left for the KV pool (the message gives the numbers and what to change).
-    """
-    budget = min(int(utilization * total) - in_use, free) - headroom
-    if budget <= 0:
-        gib = 1 << 30
-        raise ValueError(
-            f"no memory left for the KV cache: gpu_memory_utilization {utilization} of {total / gib:.1f} GiB is "
-            f"{utilization * total / gib:.1f} GiB, the weights already hold {in_use / gib:.1f} GiB, "
-            f"{free / gib:.1f} GiB is free and activations need about {headroom / gib:.1f} GiB; raise "
-            "gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
-        )
-    return budget
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @attrs.frozen(kw_only=True)
@@ -168,14 +134,23 @@ class Engine:
         self.model, self.config = model, config or EngineConfig()
         cfg = self.config
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
-        num_pages = self._num_pages()
+        tp_size = cfg.tensor_parallel_size
+        # under tensor parallel every rank holds the KV of its own heads: size the pool from one rank's share
+        device = tp_devices(tp_size)[0] if tp_size > 1 else model.device
+        kv_cfg = tp_config(model.config, tp_size) if tp_size > 1 else model.config
+        num_pages = self._num_pages(device, kv_bytes_per_token(kv_cfg, model.dtype))
         self.pool = PagePool(num_pages, cfg.page_size)
         self.radix = RadixCache(self.pool) if cfg.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len)  # fmt: skip
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile,
-                                  max_running=cfg.max_running, max_model_len=self.max_model_len,
-                                  cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+        runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile,
+                         max_running=cfg.max_running, max_model_len=self.max_model_len,
+                         cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+        self.fatal: str | None = None  # why the engine cannot run any more (a tensor-parallel rank died)
+        if tp_size > 1:
+            self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, **runner_kw)
+        else:
+            self.runner = ModelRunner(model, **runner_kw)
         self._rng = random.Random(cfg.seed)
         self._arrival = itertools.count()
         self._tracked: dict[str, RequestDelivery] = {}
@@ -191,11 +166,14 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
             self._thread.start()
 
-    def _num_pages(self) -> int:
-        cfg, per_token = self.config, kv_bytes_per_token(self.model.config, self.model.dtype)
-        tokens = cfg.kv_budget_tokens
+    def _rank_failed(self, message: str) -> None:
+        self.fatal = message
+        self._fail(RuntimeError(message))
+
+    def _num_pages(self, device: torch.device, per_token: int) -> int:
+        """Pages of the KV pool on `device` (one rank's, under tensor parallel) at `per_token` bytes per token."""
+        cfg, tokens = self.config, self.config.kv_budget_tokens
         if tokens is None:
-            device = self.model.device
             if device.type == "cuda" and cfg.gpu_memory_utilization is not None:
                 free, total = torch.cuda.mem_get_info(device)
                 steps = {"max_step_tokens": cfg.max_step_tokens, "max_running": cfg.max_running}
@@ -368,8 +346,10 @@ class Engine:
 
         Raises:
             ValueError: `params` differs from the served tree in structure, shape, dtype or device.
-            RuntimeError: requests are in flight.
+            RuntimeError: requests are in flight, or the engine is tensor parallel (its ranks hold copies).
         """
+        if isinstance(self.runner, TPRunner):
+            raise RuntimeError("a tensor-parallel engine does not take new weights: its ranks hold their own shards")
         if params is not None:
             old, new = leaves(self.model.params), leaves(params)
             if len(old) != len(new) or any((a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device)
@@ -411,6 +391,8 @@ class Engine:
         else:
             for request_id in list(self._tracked):
                 self._abort_now(request_id)
+        if isinstance(self.runner, TPRunner):
+            self.runner.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -423,6 +405,8 @@ class Engine:
         try:
             while self._wait_for_work():
                 self._run_step()
+        except RankFailedError:  # reported through _rank_failed (requests failed, `fatal` set): not a bug
+            return
         except Exception as err:  # a bug or a device error: fail every request loudly instead of hanging them
             self._fail(err)
             raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ from astrai.inference.seq import Seq
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.ops.attention import AttnMeta, pages_needed
+from astrai.ops.collectives import TensorParallel
 from astrai.tree import tree_map
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -48,6 +50,19 @@ def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
 def bucket(n: int, limit: int) -> int:
     """Smallest decode bucket >= n (batch sizes are padded up to it, so each bucket's CUDA graph is reused)."""
     return next((b for b in DECODE_BUCKETS if b >= n), max(n, limit))
+
+
+class StepInputs(NamedTuple):
+    """The host inputs of one forward, as `ModelRunner.plan_step` builds them (and tensor parallel broadcasts).
+
+    `kind`: "graph" (decode replayed from the bucket's CUDA graph; tokens/meta padded to the bucket, `rows` the
+    real batch size), "decode" (`rows` the batch size) or "prefill" (`rows` [M] the token rows to sample).
+    """
+
+    kind: str
+    tokens: Tensor
+    meta: AttnMeta
+    rows: Tensor | int
 
 
 def graphs_supported(model: Model) -> bool:
@@ -68,17 +83,21 @@ class ModelRunner:
         max_running: int,
         max_model_len: int,
         cuda_graphs: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
-        self.model, self.cfg = model, model.config
+        # under tensor parallel `model` is this rank's shard with its local config (astrai.models.tp), and the
+        # steps run eagerly: the collectives are not traced by torch.compile yet
+        compile_steps = compile and (tp is None or tp.size == 1)
+        self.model, self.cfg, self.tp = model, model.config, tp
         self.device, self.page_size, self.max_running = model.device, page_size, max_running
         self.max_width = pages_needed(max_model_len, page_size)
         self.cache = init_kv_cache(self.cfg, num_pages, page_size, dtype=model.dtype, device=self.device)
         self.cuda = self.device.type == "cuda"
-        self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg)
-        self.eager_decode = functools.partial(decode_step, cfg=self.cfg)
+        self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg, tp=tp)
+        self.eager_decode = functools.partial(decode_step, cfg=self.cfg, tp=tp)
         # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
         # capture it once per batch bucket
-        self.compiled_decode = compile_step(decode_step, cfg=self.cfg) if compile else None
+        self.compiled_decode = compile_step(decode_step, cfg=self.cfg) if compile_steps else None
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
         self.graphs = None
         if self.cuda and cuda_graphs and graphs_supported(model):
@@ -118,11 +137,6 @@ class ModelRunner:
                               decode=decode, rows=rows, width=width)  # fmt: skip
         return torch.tensor(tokens, dtype=torch.int64), meta
 
-    def _meta(self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int) -> tuple[Tensor, AttnMeta]:
-        """`_host_meta` moved to the device."""
-        tokens, meta = self._host_meta(plan, decode=decode, rows=rows, width=width)
-        return tokens.to(self.device), tree_map(lambda t: t.to(self.device), meta)
-
     def _width(self, plan: Sequence[ScheduledSeq]) -> int:
         # the smallest power of two that fits (the CPU path gathers the whole width, so it should stay small;
         # with symbolic sizes a new width costs no recompile)
@@ -130,28 +144,38 @@ class ModelRunner:
         return max(2, 1 << max(0, need - 1).bit_length())  # >= 2: a width of 1 would get its own specialised graph
 
     # ---- one step -----------------------------------------------------------------------------------------
+    def plan_step(self, plan: Sequence[ScheduledSeq], sampling: list[int]) -> StepInputs:
+        """The host inputs of one forward: which path runs it, tokens, metadata and the rows to sample."""
+        decode = all(item.num_new == 1 for item in plan) and len(sampling) == len(plan)
+        if decode:
+            n, need = len(plan), max(len(item.seq.pages) for item in plan)
+            if self.graphs is not None and self.graphs.fits(bucket(n, self.max_running), need):
+                tokens, meta = self._host_meta(plan, decode=True, rows=bucket(n, self.max_running), width=need)
+                return StepInputs("graph", tokens, meta, n)
+            tokens, meta = self._host_meta(plan, decode=True, rows=n, width=self._width(plan))
+            return StepInputs("decode", tokens, meta, n)
+        tokens, meta = self._host_meta(plan, decode=False, rows=len(plan), width=self._width(plan))
+        rows = logits_rows(meta)[torch.tensor(sampling, dtype=torch.long)]  # each sampled sequence's last token
+        return StepInputs("prefill", tokens, meta, rows)
+
+    def run(self, step: StepInputs) -> Tensor:
+        """Run the forward of `step` (every tensor-parallel rank runs this with the same inputs); float32 logits."""
+        if step.kind == "graph":
+            return self.graphs.run(step.tokens, step.meta)[: step.rows]
+        tokens, meta = step.tokens.to(self.device), tree_map(lambda t: t.to(self.device), step.meta)
+        if step.kind == "decode":
+            if self.compiled_decode is not None:
+                _mark_dynamic(tokens, meta)
+            return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
+        return self.eager_prefill(self.model.params, tokens, meta, self.cache, step.rows.to(self.device))
+
     @torch.inference_mode()
     def execute(self, plan: Sequence[ScheduledSeq], *, vocab_size: int) -> dict[int, SampledToken]:
         """Run the step; returns the token drawn for each plan index that samples."""
         if not plan:
             return {}
         sampling = [i for i, item in enumerate(plan) if item.sample]
-        decode = all(item.num_new == 1 for item in plan) and len(sampling) == len(plan)
-        if decode:
-            n, need = len(plan), max(len(item.seq.pages) for item in plan)
-            if self.graphs is not None and self.graphs.fits(bucket(n, self.max_running), need):
-                tokens, meta = self._host_meta(plan, decode=True, rows=bucket(n, self.max_running), width=need)
-                logits = self.graphs.run(tokens, meta)[:n]
-            else:
-                tokens, meta = self._meta(plan, decode=True, rows=n, width=self._width(plan))
-                if self.compiled_decode is not None:
-                    _mark_dynamic(tokens, meta)
-                logits = (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
-        else:
-            tokens, meta = self._meta(plan, decode=False, rows=len(plan), width=self._width(plan))
-            last = logits_rows(meta)  # [B] each sequence's last fed token
-            rows = last[torch.tensor(sampling, device=last.device, dtype=torch.long)]
-            logits = self.eager_prefill(self.model.params, tokens, meta, self.cache, rows)
+        logits = self.run(self.plan_step(plan, sampling))
         if not sampling:
             return {}
         return self._sample(logits, [plan[i].seq for i in sampling], sampling, vocab_size)

@@ -17,6 +17,7 @@ from torch import Tensor
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, forward
 from astrai.ops.attention import AttnMeta, KVCache, LatentCache
+from astrai.ops.collectives import TensorParallel
 
 
 def prefill_step(
@@ -27,6 +28,7 @@ def prefill_step(
     logits_positions: Tensor,
     *,
     cfg: ModelConfig,
+    tp: TensorParallel | None = None,
 ) -> Tensor:
     """Write the new tokens' K/V and return logits of the rows to sample.
 
@@ -35,18 +37,25 @@ def prefill_step(
         meta: step metadata (cached prefix + new tokens per request).
         cache: the KV pool (written in place).
         logits_positions: [M] rows of `tokens` to compute logits for (usually each request's last token).
+        tp: this rank's tensor-parallel group when `params` is its shard and `cfg` its local config.
 
     Returns:
         [M, V] float32 logits.
     """
-    return forward(params, cfg, tokens, meta=meta, cache=cache, logits_positions=logits_positions)
+    return forward(params, cfg, tokens, meta=meta, cache=cache, logits_positions=logits_positions, tp=tp)
 
 
 def decode_step(
-    params: DecoderParams, tokens: Tensor, meta: AttnMeta, cache: KVCache | LatentCache, *, cfg: ModelConfig
+    params: DecoderParams,
+    tokens: Tensor,
+    meta: AttnMeta,
+    cache: KVCache | LatentCache,
+    *,
+    cfg: ModelConfig,
+    tp: TensorParallel | None = None,
 ) -> Tensor:
     """One token per request: tokens [B] -> logits [B, V] (float32)."""
-    return forward(params, cfg, tokens, meta=meta, cache=cache)
+    return forward(params, cfg, tokens, meta=meta, cache=cache, tp=tp)
 
 
 def compile_step(fn: Callable[..., Any], *, cfg: ModelConfig, mode: str | None = None, **kwargs: Any) -> Callable:

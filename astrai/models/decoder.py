@@ -38,6 +38,7 @@ from astrai.nn.moe import MoEAux, MoEParams, add_aux, init_moe, moe
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.nn.rope import rope_cos_sin
 from astrai.ops.attention import AttnMeta, KVCache, LatentCache
+from astrai.ops.collectives import TensorParallel, tp_copy, tp_gather, tp_reduce
 from astrai.ops.linear import linear as linear_op
 from astrai.tree import named_tensors, pytree, to_device
 
@@ -166,6 +167,7 @@ class BlockContext(NamedTuple):
         causal: dense mode only; False attends to every (unpadded) key (the embedding encoder).
         key_padding_mask: dense mode only, [B, T] bool, True for real tokens.
         with_aux: return the MoE aux tree of the block.
+        tp: tensor parallel group when the block's parameters are this rank's shard (`astrai.models.tp`).
     """
 
     layer: int
@@ -177,6 +179,7 @@ class BlockContext(NamedTuple):
     causal: bool = True
     key_padding_mask: Tensor | None = None
     with_aux: bool = False
+    tp: TensorParallel | None = None
 
 
 def layer_cache(cache: KVCache | LatentCache | None, layer: int) -> tuple[Tensor, Tensor] | Tensor | None:
@@ -190,21 +193,23 @@ def layer_cache(cache: KVCache | LatentCache | None, layer: int) -> tuple[Tensor
 
 def _block(block: BlockParams, x: Tensor, ctx: BlockContext, *, cfg: ModelConfig) -> tuple[Tensor, MoEAux | None]:
     """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); also the MoE aux tree (None for a dense FFN)."""
-    eps = cfg.rms_norm_eps
-    h = rms_norm(block.attn_norm, x, eps=eps)
+    eps, tp = cfg.rms_norm_eps, ctx.tp
+    # under tensor parallelism each sub-layer is one parallel region: tp_copy in, tp_reduce out (identity else)
+    h = tp_copy(rms_norm(block.attn_norm, x, eps=eps), tp)
     if isinstance(block.attn, MLAParams):
         scale = mla_softmax_scale(cfg.mla, cfg.rope)
-        x = x + mla(block.attn, h, ctx.cos, ctx.sin, cfg=cfg.mla, scale=scale, meta=ctx.meta, cache=ctx.cache,
-                    doc_ids=ctx.doc_ids)  # fmt: skip
+        y = mla(block.attn, h, ctx.cos, ctx.sin, cfg=cfg.mla, scale=scale, meta=ctx.meta, cache=ctx.cache,
+                doc_ids=ctx.doc_ids)  # fmt: skip
     else:
-        x = x + attention(block.attn, h, ctx.cos, ctx.sin, shape=attention_shape(cfg, ctx.layer), meta=ctx.meta,
-                          kv=ctx.cache, doc_ids=ctx.doc_ids, causal=ctx.causal,
-                          key_padding_mask=ctx.key_padding_mask)  # fmt: skip
-    h = rms_norm(block.mlp_norm, x, eps=eps)
+        y = attention(block.attn, h, ctx.cos, ctx.sin, shape=attention_shape(cfg, ctx.layer), meta=ctx.meta,
+                      kv=ctx.cache, doc_ids=ctx.doc_ids, causal=ctx.causal,
+                      key_padding_mask=ctx.key_padding_mask)  # fmt: skip
+    x = x + tp_reduce(y, tp)
+    h = tp_copy(rms_norm(block.mlp_norm, x, eps=eps), tp)
     if isinstance(block.mlp, MoEParams):
-        y, aux = moe(block.mlp, h, cfg=cfg.moe, with_aux=ctx.with_aux)
-        return x + y, aux
-    return x + mlp(block.mlp, h), None
+        y, aux = moe(block.mlp, h, cfg=cfg.moe, with_aux=ctx.with_aux, tp=tp)
+        return x + tp_reduce(y, tp), aux
+    return x + tp_reduce(mlp(block.mlp, h), tp), None
 
 
 def hidden_states(
@@ -222,6 +227,7 @@ def hidden_states(
     key_padding_mask: Tensor | None = None,
     return_aux: bool = False,
     run_unit: Callable[..., Any] | None = None,
+    tp: TensorParallel | None = None,
 ) -> Tensor | tuple[Tensor, MoEAux | None]:
     """The residual stream after the last block (before the final norm); same leading shape as `tokens`.
 
@@ -236,6 +242,9 @@ def hidden_states(
     `run_unit(fn, unit_params, *args, checkpoint=bool, **kwargs)`, when given, makes each call of the embedding
     lookup and of every block (`fn(unit_params', *args, **kwargs)`), and owns activation checkpointing of the
     blocks (FSDP per block: `astrai.train.fsdp.BlockGather` gathers each unit's shards for that call only).
+
+    `tp`: `params` is this rank's tensor-parallel shard and `cfg` its local config (`astrai.models.tp`); the
+    result is the full residual stream, the same on every rank.
     """
     if (meta is None) != (cache is None):
         raise ValueError("pass meta and cache together (paged mode) or neither (dense mode)")
@@ -262,11 +271,11 @@ def hidden_states(
     if embeds is not None:
         x = embeds
     else:
-        x = embed(params.embed_tokens, tokens) if run_unit is None else run_unit(embed, params.embed_tokens, tokens)
+        x = embed(params.embed_tokens, tokens, tp) if run_unit is None else run_unit(embed, params.embed_tokens, tokens)
     aux = None
     for layer, block in enumerate(params.blocks):
         ctx = BlockContext(layer=layer, cos=cos, sin=sin, meta=meta, cache=layer_cache(cache, layer), doc_ids=doc_ids,
-                           causal=causal, key_padding_mask=key_padding_mask, with_aux=return_aux)  # fmt: skip
+                           causal=causal, key_padding_mask=key_padding_mask, with_aux=return_aux, tp=tp)  # fmt: skip
         if run_unit is not None:
             x, layer_aux = run_unit(_block, block, x, ctx, checkpoint=checkpoint_blocks, cfg=cfg)
         elif checkpoint_blocks:
@@ -291,6 +300,7 @@ def forward(
     meta: AttnMeta | None = None,
     cache: KVCache | LatentCache | None = None,
     logits_positions: Tensor | None = None,
+    tp: TensorParallel | None = None,
 ) -> Tensor:
     """Next-token logits.
 
@@ -302,16 +312,21 @@ def forward(
         meta: paged-step metadata (with `cache`).
         cache: KV pool; new K/V are written in place.
         logits_positions: [M] int rows of the flattened tokens to compute logits for.
+        tp: tensor parallel group when `params` is this rank's shard and `cfg` its local config
+            (`astrai.models.tp`); the vocab-parallel logits are gathered, so every rank returns the full row.
 
     Returns:
         float32 logits: [B, T, V] (dense), [T, V] (paged) or [M, V] with `logits_positions`.
     """
-    x = hidden_states(params, cfg, tokens, positions=positions, meta=meta, cache=cache)
+    x = hidden_states(params, cfg, tokens, positions=positions, meta=meta, cache=cache, tp=tp)
     if logits_positions is not None:
         x = x.reshape(-1, x.shape[-1])[logits_positions]  # [M, E]
-    x = rms_norm(params.norm, x, eps=cfg.rms_norm_eps)
+    x = tp_copy(rms_norm(params.norm, x, eps=cfg.rms_norm_eps), tp)
     bias = None if params.lm_head is None else params.lm_head.bias
-    return linear_op(x, lm_head_weight(params), bias).float()
+    logits = linear_op(x, lm_head_weight(params), bias).float()
+    if tp is not None and tp.size > 1:  # vocab-parallel head: gather the slices, drop the padding rows
+        logits = tp_gather(logits, tp)[..., : cfg.vocab_size]
+    return logits
 
 
 def check_params(params: DecoderParams, cfg: ModelConfig) -> None:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from astrai.nn.linear import LinearParams, init_linear, linear
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
+from astrai.ops.collectives import TensorParallel
 from astrai.tree import pytree, tree_map
 
 
@@ -226,18 +227,27 @@ def route(logits: Tensor, cfg: MoEConfig, bias: Tensor | None = None) -> tuple[T
     return weights, idx, probs
 
 
+def _dispatch(idx: Tensor, num_experts: int) -> tuple[Tensor, list[int]]:
+    """(pair order sorted by expert, pairs per expert); pairs with id `num_experts` (not ours) are left out."""
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    sizes = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    return order[: sum(sizes)], sizes
+
+
 def grouped_experts(
     x: Tensor, idx: Tensor, weights: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor
 ) -> Tensor:
     """sum_j weights[:, j] * expert_{idx[:, j]}(x) for x [N, D]: sort pairs by expert, one GEMM pair per expert.
 
+    An id equal to the number of experts (`gate_proj.shape[0]`) marks a pair this rank does not own (expert
+    parallel: the expert lives on another rank); such pairs contribute nothing here.
+
     Eager only (segment sizes go to the host); `experts()` picks the compile-safe custom op when tracing.
     """
     n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
+    order, sizes = _dispatch(idx, gate_proj.shape[0])
     token = order // k
-    sizes = torch.bincount(flat, minlength=gate_proj.shape[0]).tolist()
     xs = x[token]
     outs = []
     for e, seg in enumerate(torch.split(xs, sizes)):
@@ -271,12 +281,10 @@ def grouped_experts_backward(
     Recomputes each expert's activations on its segment (nothing is saved between forward and backward).
     """
     n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
+    order, sizes = _dispatch(idx, gate_proj.shape[0])
     token = order // k
-    sizes = torch.bincount(flat, minlength=gate_proj.shape[0]).tolist()
     xs, gos, ws = x[token], grad[token], weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-    gx_pairs, gw_pairs = torch.zeros_like(xs), torch.zeros(n * k, dtype=x.dtype, device=x.device)
+    gx_pairs, gw_pairs = torch.zeros_like(xs), torch.zeros(order.shape[0], dtype=x.dtype, device=x.device)
     g_gate, g_up, g_down = torch.zeros_like(gate_proj), torch.zeros_like(up_proj), torch.zeros_like(down_proj)
     start = 0
     for e, size in enumerate(sizes):
@@ -362,8 +370,22 @@ def router_aux(idx: Tensor, probs: Tensor, num_experts: int) -> MoEAux:
     )
 
 
-def moe(p: MoEParams, x: Tensor, *, cfg: MoEConfig, with_aux: bool = True) -> tuple[Tensor, MoEAux | None]:
-    """x: [..., D] -> ([..., D], aux or None); token-wise, so dense [B, T, D] and paged [T, D] are the same."""
+def local_expert_ids(idx: Tensor, num_local: int, tp: TensorParallel | None) -> Tensor:
+    """Global expert ids [N, k] -> ids into this rank's experts [rank * num_local, (rank + 1) * num_local);
+    experts held by other ranks map to `num_local` (skipped by `grouped_experts`)."""
+    local = idx - (tp.rank if tp is not None else 0) * num_local
+    return torch.where((local >= 0) & (local < num_local), local, num_local)
+
+
+def moe(
+    p: MoEParams, x: Tensor, *, cfg: MoEConfig, with_aux: bool = True, tp: TensorParallel | None = None
+) -> tuple[Tensor, MoEAux | None]:
+    """x: [..., D] -> ([..., D], aux or None); token-wise, so dense [B, T, D] and paged [T, D] are the same.
+
+    Expert parallel (`tp` given, `p.experts` holding E / size experts): the router runs on every rank, each
+    rank runs its own experts and its slice of the shared expert, and the output is this rank's partial sum
+    (the decoder block sums the ranks' partials with one all-reduce).
+    """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     if cfg.scoring == "sigmoid":  # DeepSeek-V3 routes in fp32
@@ -371,7 +393,9 @@ def moe(p: MoEParams, x: Tensor, *, cfg: MoEConfig, with_aux: bool = True) -> tu
     else:
         logits = linear(p.gate, flat)
     weights, idx, probs = route(logits, cfg, p.e_score_correction_bias)
-    out = experts(p.experts, flat, idx, weights)
+    num_local = p.experts.gate_proj.shape[0]
+    local_idx = idx if num_local == cfg.num_experts else local_expert_ids(idx, num_local, tp)
+    out = experts(p.experts, flat, local_idx, weights)
     if p.shared_experts is not None:
         shared = mlp(p.shared_experts, flat)
         if p.shared_expert_gate is not None:

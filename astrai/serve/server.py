@@ -27,6 +27,7 @@ import contextlib
 import copy
 import functools
 import http
+import logging
 import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -155,6 +156,13 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
         super().__init__(config)
         self.engine = engine
+
+    async def on_tick(self, counter: int) -> bool:
+        # an engine that lost a tensor-parallel rank can never answer again: stop serving (the CLI exits with 1)
+        if self.engine.fatal is not None and not self.should_exit:
+            logging.getLogger("astrai.serve").error("stopping the server: %s", self.engine.fatal)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list | None = None) -> None:
         loop = asyncio.get_running_loop()

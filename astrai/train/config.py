@@ -16,7 +16,7 @@ import cattrs
 from cattrs.v import format_exception
 
 from astrai.nn.lora import LoRAConfig
-from astrai.train.optim import OptimConfig, as_optim_config
+from astrai.train.optim import OptimConfig, as_optim_config, uses_muon
 from astrai.train.schedule import ScheduleConfig
 
 
@@ -167,6 +167,10 @@ class TrainConfig:
     """With fsdp: all-gather each unit (embedding, each block, final norm + LM head) only while it runs and again
     for its backward (peak: the largest unit; the loss runs eager), or the whole model per micro-batch (a full
     copy; the loss compiles). DPO and GRPO steps always gather the whole model."""
+    tp: int = 1
+    """Under torchrun: tensor-parallel group size (Megatron layout, `astrai.train.tp`): ranks [k tp, (k + 1) tp)
+    split every weight matrix; WORLD_SIZE / tp data-parallel replicas (with --fsdp, each TP shard is also sharded
+    over them, 2-D). Not with lora, dpo, grpo or muon."""
     fsdp_gather_dtype: Literal["fp32", "bf16"] = "fp32"
     """With fsdp: dtype of the all-gathered weights (bf16 halves gather traffic and memory; needs precision bf16);
     gradients are reduce-scattered in fp32 and the shards stay fp32."""
@@ -195,6 +199,10 @@ class TrainConfig:
             raise ValueError("fsdp_gather_dtype bf16 needs precision bf16 (the gathered weights compute)")
         if self.fsdp and self.lora is not None and self.dpo is not None:
             raise ValueError("dpo with lora and fsdp is not supported yet: drop --fsdp (the adapters are small)")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1:
+            _check_tp_combinations(self)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.dpo is not None and (self.val_data is not None or self.val_fraction > 0):
@@ -209,6 +217,23 @@ class TrainConfig:
             if self.grpo.max_completion_tokens >= self.seq_len:
                 raise ValueError(f"grpo.max_completion_tokens {self.grpo.max_completion_tokens} leaves no room for "
                                  f"the prompt in seq_len {self.seq_len}")  # fmt: skip
+
+
+def _check_tp_combinations(cfg: TrainConfig) -> None:
+    """ValueErrors naming --tp for what tensor-parallel training does not support (yet)."""
+    refused = {
+        "lora": "the adapters are not split across ranks yet (train LoRA with data parallelism, or --fsdp)",
+        "dpo": "the DPO step and its reference pass run the whole model on each rank",
+        "grpo": "the rollout engine reads whole weights",
+    }
+    for name, why in refused.items():
+        if getattr(cfg, name) is not None:
+            raise ValueError(f"--tp {cfg.tp} with {name} is not supported: {why}")
+    if uses_muon(cfg.optim):
+        raise ValueError(
+            f"--tp {cfg.tp} with --optim.name muon is not supported: Muon's Newton-Schulz orthogonalises each "
+            "whole matrix, and a rank holds only a slice of it (use AdamW)"
+        )
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

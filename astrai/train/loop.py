@@ -19,6 +19,9 @@ each micro-batch before the step. With `TrainConfig.grpo` the step is `astrai.tr
 batches: `astrai.train.rollout.Rollouts` (set up from the start weights like the DPO reference) generates them with
 an `Engine` serving the trainer's own tensors, and drops the engine's prefix cache after every optimizer step.
 
+With `TrainConfig.tp` > 1 (`astrai.train.tp`) each rank trains its tensor-parallel shard: the ranks of one TP
+group read the same data shard, checkpoints and the final model are gathered into the full model (a collective).
+
 The base model is a `ModelConfig` (random init) or `TrainConfig.model` as a folder; resolving a name such as
 "tiny" to a `ModelConfig` is the caller's job (the CLI reads `configs/models.py`: the library never imports it).
 """
@@ -44,6 +47,7 @@ from astrai.io.model import Model, load, save
 from astrai.io.tokenizer import Tokenizer
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, init_params
+from astrai.models.tp import shard_params, unshard_params
 from astrai.nn.lora import apply_lora, init_lora, merge_lora
 from astrai.train import distributed
 from astrai.train.checkpoint import (
@@ -64,13 +68,14 @@ from astrai.train.dpo import DPOStep, batch_rows, make_reference
 from astrai.train.fsdp import BlockGather, full_tree, load_into_shards_, make_mesh, shard_tree
 from astrai.train.grpo import GRPOStep
 from astrai.train.metrics import MetricsLog
-from astrai.train.optim import adamw_state_dict, load_optimizer_state, uses_muon
+from astrai.train.optim import adamw_state_dict, init_optimizer, load_optimizer_state, uses_muon
 from astrai.train.plot import loss_curve_png
 from astrai.train.progress import TrainProgress
 from astrai.train.rollout import Rollouts, make_rollouts
 from astrai.train.schedule import lr_at
 from astrai.train.signals import StopRequest
 from astrai.train.step import StepOptions, TrainState, TrainStep, eval_sums, full_params, init_train_state
+from astrai.train.tp import TPTrain, check_tp_run, make_layout, shard_adamw, unshard_adamw
 from astrai.tree import from_named_tensors, leaves, named_tensors, replace, to_device
 
 _log = logging.getLogger("astrai.train")  # unconfigured, a warning prints as its bare message on stderr
@@ -126,12 +131,17 @@ class _Run:
 
     def __init__(self, cfg: TrainConfig, model_cfg: ModelConfig | None) -> None:
         self.cfg = cfg
+        check_tp_run(cfg.tp, model_cfg)  # before joining the process group: a bad launch fails on every rank
         self.dist = distributed.setup(cfg.device)
         self.device = self.dist.device
         self.run_dir = Path(cfg.out_dir)
         torch.manual_seed(cfg.seed)
         self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, model_cfg, self.device)
-        self.data: TrainData = open_data(cfg, rank=self.dist.rank, world_size=self.dist.world_size,
+        check_tp_run(cfg.tp, self.model_cfg, self.dist.world_size)
+        # TP x DP (astrai.train.tp): the ranks of one TP group read the same data shard (the dp index)
+        self.layout = make_layout(cfg.tp, self.dist.rank, self.dist.world_size, self.device)
+        self.tp = self.layout.tp
+        self.data: TrainData = open_data(cfg, rank=self.layout.dp_rank, world_size=self.layout.dp_size,
                                          tokenizer=self.tokenizer)  # fmt: skip
         # trainable: what the optimiser updates; frozen + to_params: how the forward's tree is built from it
         self.lora_cfg = cfg.lora
@@ -140,13 +150,17 @@ class _Run:
         else:
             trainable = init_lora(self.base, cfg.lora, seed=cfg.seed)
             self.frozen, self.to_params = self.base, apply_lora
-        self.sharded = cfg.fsdp and self.dist.world_size > 1  # ZeRO-3 over the ranks (astrai.train.fsdp)
+        if self.tp is not None:  # this rank's shard; the full tree is not kept (TrainConfig refuses LoRA/DPO/GRPO)
+            trainable, self.base = shard_params(self.base, self.model_cfg, self.tp), None
+        self.sharded = cfg.fsdp and self.layout.dp_size > 1  # ZeRO-3 over the (data-parallel) ranks
+        self.collective_save = self.sharded or self.tp is not None  # the full model is gathered by every rank
         if self.sharded:
-            mesh = make_mesh(self.device)
+            mesh = self.layout.dp_mesh if self.tp is not None else make_mesh(self.device)
             trainable = shard_tree(trainable, mesh)
             if cfg.lora is not None:  # the frozen base is sharded too (TrainConfig refuses DPO + LoRA + FSDP)
                 self.frozen, self.base = shard_tree(self.base, mesh), None
         self.state: TrainState = init_train_state(trainable, cfg.optim)
+        self.tp_train = None if self.tp is None else TPTrain(self.model_cfg, self.tp, sharded=self.sharded)
         self.opts = StepOptions(
             max_grad_norm=cfg.max_grad_norm,
             neftune_alpha=cfg.neftune_alpha,
@@ -170,6 +184,7 @@ class _Run:
                 self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
                 sharded=self.sharded, fsdp_unit=cfg.fsdp_unit,
                 fsdp_param_dtype=torch.bfloat16 if cfg.fsdp_gather_dtype == "bf16" else None,
+                tp=self.tp_train, dp_group=self.layout.dp_group,
             )  # fmt: skip
         self.reference = None  # DPO: batch -> [2, B] reference log-probs (`prepare_reference`)
         self.rollouts: Rollouts | None = None  # GRPO: the engine, rewards and reference (`prepare_reference`)
@@ -198,6 +213,8 @@ class _Run:
     def params(self) -> DecoderParams:
         """The full parameter tree (LoRA merged) as plain detached tensors; collective when sharded."""
         trainable = full_tree(self.state.trainable) if self.sharded else self.state.trainable
+        if self.tp is not None:
+            trainable = unshard_params(trainable, self.model_cfg, self.tp)  # collective over the TP group
         if self.lora_cfg is None:
             return trainable
         return merge_lora(full_tree(self.frozen) if self.sharded else self.base, trainable)
@@ -210,15 +227,19 @@ class _Run:
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         # sharded weights and moments are gathered on every rank (a collective), then rank 0 writes them
-        model = self.model() if self.lora_cfg is None and (self.dist.is_main or self.sharded) else None
+        model = self.model() if self.lora_cfg is None and (self.dist.is_main or self.collective_save) else None
         adapters = None  # LoRA: the adapters to write, gathered on every rank when sharded
         if self.lora_cfg is not None:
             adapters = full_tree(self.state.trainable) if self.sharded else self.state.trainable
-        gathered = adapters if adapters is not None else (model.params if self.sharded else self.state.trainable)
+        gathered = adapters
+        if gathered is None:
+            gathered = model.params if self.collective_save else self.state.trainable
         # the same verdict on every rank: replicas are identical, and sharded runs check the gathered weights
         if self.cfg.stop_on_nonfinite and not _all_finite(gathered):
             raise NonFiniteError(_nonfinite_message(self, "the updated weights are not finite"))
-        optimizer = adamw_state_dict(full_tree(self.state.opt) if self.sharded else self.state.opt)
+        opt = full_tree(self.state.opt) if self.sharded else self.state.opt
+        # TP: the full model's moments (collective), as a 1-process run saves them: resumable on any --tp
+        optimizer = adamw_state_dict(opt if self.tp is None else unshard_adamw(opt, self.model_cfg, self.tp))
         if self.dist.is_main:
 
             def write_model(folder: Path) -> None:
@@ -249,9 +270,14 @@ class _Run:
             lora, _ = load_lora(path / "model", self.base if self.base is not None else self.frozen)
             weights = named_tensors(lora)
         else:
-            weights = named_tensors(load(path / "model", dtype=torch.float32, device=self.device).params)
+            full = load(path / "model", dtype=torch.float32, device=self.device).params
+            weights = named_tensors(full if self.tp is None else shard_params(full, self.model_cfg, self.tp))
         load_into_shards_(self.state.trainable, weights, named_tensors(self.state.trainable))
-        if self.sharded:
+        if self.tp is not None:  # the checkpoint holds the full model's moments: take this rank's shard of them
+            template = init_optimizer(full, self.cfg.optim)
+            opt = shard_adamw(load_optimizer_state(template, optimizer), self.model_cfg, self.tp)
+            load_into_shards_(self.state.opt, named_tensors(opt), named_tensors(self.state.opt))
+        elif self.sharded:
             full_opt = load_optimizer_state(full_tree(self.state.opt), optimizer)
             load_into_shards_(self.state.opt, named_tensors(full_opt), named_tensors(self.state.opt))
         else:
@@ -271,11 +297,11 @@ class _Run:
         # sharded: one unit (embedding, block, head) gathered at a time, as in the train step
         total, count = eval_sums(
             self.state.trainable, self.frozen, batches, cfg=self.model_cfg, opts=self.opts,
-            to_params=self.to_params, run_unit=BlockGather() if self.sharded else None,
+            to_params=self.to_params, run_unit=BlockGather() if self.sharded else None, tp=self.tp_train,
         )  # fmt: skip
-        if self.dist.world_size > 1:
+        if self.layout.dp_size > 1:
             both = torch.stack([total, count])
-            torch.distributed.all_reduce(both)
+            torch.distributed.all_reduce(both, group=self.layout.dp_group)
             total, count = both[0], both[1]
         return (total / count.clamp(min=1)).item()
 
@@ -375,7 +401,7 @@ def _step(run: _Run, batches: Iterator[list[LMBatch] | list[DPOBatch]]) -> dict[
         values.update(run.rollouts.metrics, train_s=time.perf_counter() - t1)
     run.tokens_seen += int(values.pop("tokens"))
     values["lr"] = lr
-    values["tok_s"] = batch_rows(micro) * run.dist.world_size / (time.perf_counter() - t0)
+    values["tok_s"] = batch_rows(micro) * run.layout.dp_size / (time.perf_counter() - t0)
     return values
 
 
@@ -417,7 +443,7 @@ def _train(run: _Run, found: Resumable | None) -> TrainResult:
                 progress.note(f"{stop.signal_name}: saved checkpoint at step {run.step}; resume with --resume")
                 break
     model_dir = None
-    final = run.model() if not stopped and (main or run.sharded) else None  # collective when sharded
+    final = run.model() if not stopped and (main or run.collective_save) else None  # collective when sharded/TP
     if main:
         if log is not None:
             loss_curve_png(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")

@@ -22,6 +22,10 @@ Notable features:
   LM head) through a unit runner that all-gathers its shards only for that unit (`fsdp_unit="block"`, eager), or
   the whole tree is gathered per micro-batch (`fsdp_unit="model"`, the compiled loss). DPO (`DPOStep`) uses the
   latter.
+- Tensor parallelism (`astrai.train.tp.TPTrain`): the loss runs the rank's shard with the local config and the
+  vocab-parallel cross-entropy; after the data-parallel sum (over `dp_group` only) the partial gradients of
+  replicated leaves inside the parallel regions are summed over the group and the clipping norm counts each
+  replicated leaf once.
 - MoE: the load-balancing loss (`astrai.nn.moe.load_balancing_loss`, transformers' formula) is added with
   `moe_aux_loss_coef`, weighted by the micro-batch's trained tokens so accumulation keeps a token-weighted
   mean; with one micro-batch the loss is mean CE + coef * aux, exactly as transformers computes it.
@@ -42,11 +46,13 @@ from torch import Tensor
 from astrai.data.batch import LMBatch, document_ids
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, hidden_states
+from astrai.models.tp import tp_config
 from astrai.nn.chunked_loss import chunked_cross_entropy
 from astrai.nn.embedding import EmbeddingParams, embed
 from astrai.nn.linear import LinearParams
 from astrai.nn.moe import load_balancing_loss, router_stats
 from astrai.nn.norm import RMSNormParams, rms_norm
+from astrai.ops.collectives import TensorParallel
 from astrai.train.fsdp import BlockGather, clip_sharded_, gather_tree
 from astrai.train.muon import muon_mask
 from astrai.train.optim import (
@@ -59,6 +65,7 @@ from astrai.train.optim import (
     optimizer_update_,
     uses_muon,
 )
+from astrai.train.tp import TPTrain, vocab_parallel_loss
 from astrai.tree import leaves, pytree, tree_map
 
 
@@ -111,6 +118,7 @@ def lm_loss(
     opts: StepOptions,
     packed: bool = True,
     run_unit: Callable[..., Any] | None = None,
+    tp: TPTrain | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(loss to backpropagate = (task sum + coef * MoE aux * trained tokens) / norm, detached task sum, the MoE
     routers' detached statistics (`astrai.nn.moe.router_stats`; {} for dense models)).
@@ -118,12 +126,15 @@ def lm_loss(
     `packed=False` promises one document per row (pretraining windows): attention takes the plain causal path
     instead of building a document mask. `run_unit` (FSDP per block, `astrai.train.fsdp.BlockGather`) makes the
     call of each unit: the embedding, every block (`hidden_states`) and the head (final norm + LM head + loss).
+    `tp` (`astrai.train.tp`): `params` is this rank's tensor-parallel shard and `cfg` its local config.
     """
     run = _call if run_unit is None else run_unit
+    group = None if tp is None else tp.tp
     with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
         embeds = None
+        if opts.neftune_alpha > 0 or group is not None:  # the vocab-parallel lookup takes the group
+            embeds = run(embed, params.embed_tokens, batch.tokens, group)
         if opts.neftune_alpha > 0:
-            embeds = run(embed, params.embed_tokens, batch.tokens)
             scale = opts.neftune_alpha / math.sqrt(embeds.shape[1] * embeds.shape[2])
             embeds = embeds + (torch.rand_like(embeds) * 2 - 1) * scale
         h, moe_aux = hidden_states(
@@ -136,15 +147,17 @@ def lm_loss(
             checkpoint_blocks=opts.checkpoint_blocks,
             return_aux=True,
             run_unit=run_unit,
+            tp=group,
         )
     head = params.embed_tokens if params.lm_head is None else params.lm_head
-    task = run(_head_loss, (params.norm, head), h, batch, cfg=cfg, opts=opts)
+    task = run(_head_loss, (params.norm, head), h, batch, cfg=cfg, opts=opts, tp=group)
     loss, stats = task, {}
     if cfg.ffn_type == "moe" and moe_aux is not None:
         stats = {k: v.detach() for k, v in router_stats(moe_aux).items()}
         if opts.moe_aux_loss_coef:
             # token-weighted so that summing micro-batch losses / norm gives coef * (token-weighted mean aux)
-            loss = loss + opts.moe_aux_loss_coef * load_balancing_loss(moe_aux) * batch.loss_mask.sum()
+            coef = opts.moe_aux_loss_coef * (1.0 if tp is None else tp.aux_scale)  # TP: the group sums its grads
+            loss = loss + coef * load_balancing_loss(moe_aux) * batch.loss_mask.sum()
     return loss / norm, task.detach(), stats
 
 
@@ -155,12 +168,19 @@ def _call(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any
 
 def _head_loss(
     head: tuple[RMSNormParams, EmbeddingParams | LinearParams], h: Tensor, batch: LMBatch, *, cfg: ModelConfig,
-    opts: StepOptions,
+    opts: StepOptions, tp: TensorParallel | None = None,
 ) -> Tensor:  # fmt: skip
-    """The head unit: final norm (under autocast) then the chunked cross-entropy sum over trained tokens."""
+    """The head unit: final norm (under autocast) then the chunked cross-entropy sum over trained tokens (with
+    `tp`: the vocab-parallel loss, `astrai.train.tp.vocab_parallel_loss`)."""
     norm, out = head
     with torch.autocast(batch.tokens.device.type, dtype=opts.autocast_dtype, enabled=opts.autocast_dtype is not None):
         h = rms_norm(norm, h, eps=cfg.rms_norm_eps)
+        if tp is not None and tp.size > 1:
+            return vocab_parallel_loss(
+                h.reshape(-1, h.shape[-1]), out.weight, out.bias if isinstance(out, LinearParams) else None,
+                batch.targets.reshape(-1), batch.loss_mask.reshape(-1), vocab_size=cfg.vocab_size, tp=tp,
+                label_smoothing=opts.label_smoothing,
+            )  # fmt: skip
     return chunked_cross_entropy(
         h.reshape(-1, h.shape[-1]),
         out.weight,
@@ -188,6 +208,7 @@ def train_loss(
     opts: StepOptions,
     to_params: Callable[[Any, Any], DecoderParams] = full_params,
     run_unit: Callable[..., Any] | None = None,
+    tp: TPTrain | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """`lm_loss` on the tree `to_params(frozen, trainable)`: the function the train step compiles.
 
@@ -205,11 +226,13 @@ def train_loss(
         to_params: builds the forward's tree from (frozen, trainable), e.g. `apply_lora` or `full_params`.
         run_unit: FSDP per block: the runner that gathers each unit's shards (`trainable`/`frozen` then hold
             `Shard(0)` DTensors); None: the trees are plain tensors.
+        tp: tensor parallelism (`astrai.train.tp.TPTrain`): `trainable` is this rank's shard, `cfg` its local config.
 
     Returns:
         As `lm_loss`.
     """
-    return lm_loss(to_params(frozen, trainable), batch, norm, cfg=cfg, opts=opts, packed=packed, run_unit=run_unit)
+    params = to_params(frozen, trainable)
+    return lm_loss(params, batch, norm, cfg=cfg, opts=opts, packed=packed, run_unit=run_unit, tp=tp)
 
 
 @torch.no_grad()
@@ -222,6 +245,7 @@ def eval_sums(
     opts: StepOptions,
     to_params: Callable[[Any, Any], DecoderParams] = full_params,
     run_unit: Callable[..., Any] | None = None,
+    tp: TPTrain | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(summed task loss, trained tokens) over `batches` on this rank, eager; the eval loss is their ratio.
 
@@ -234,7 +258,8 @@ def eval_sums(
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     one = torch.ones((), device=device)
     for batch in batches:
-        _, task_sum, _ = lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=is_packed(batch), run_unit=run_unit)
+        _, task_sum, _ = lm_loss(params, batch, one, cfg=cfg, opts=opts, packed=is_packed(batch), run_unit=run_unit,
+                                 tp=tp)  # fmt: skip
         total += task_sum
         count += batch.loss_mask.sum()
     return total, count
@@ -251,10 +276,10 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _all_reduce_sum_(tensors: list[Tensor]) -> None:
-    """Sum `tensors` over data-parallel ranks in one flat bucket (in place)."""
+def _all_reduce_sum_(tensors: list[Tensor], group: Any = None) -> None:
+    """Sum `tensors` over data-parallel ranks (`group`; None: the world) in one flat bucket (in place)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -282,25 +307,31 @@ class TrainStep:
         fsdp_unit: Literal["block", "model"] = "block",
         fsdp_param_dtype: torch.dtype | None = None,
         fsdp_reduce_dtype: torch.dtype | None = torch.float32,
+        tp: TPTrain | None = None,
+        dp_group: Any = None,
     ) -> None:
         """`sharded`: the trainable leaves (and those of a LoRA `frozen` base, if sharded) are `Shard(0)` DTensors
         (`astrai.train.fsdp`). `fsdp_unit` "block" gathers each unit (embedding, block, head) only while it runs
         (eager: the loss is not compiled), "model" gathers the whole tree per micro-batch (the compiled loss);
         subclasses with their own `micro_loss` (DPO) always use "model". `fsdp_param_dtype` / `fsdp_reduce_dtype`:
-        the all-gather and the gradient reduce-scatter dtypes (mixed precision; None: the shards' dtype)."""
+        the all-gather and the gradient reduce-scatter dtypes (mixed precision; None: the shards' dtype).
+        `tp` (`astrai.train.tp.TPTrain`): `trainable` is this rank's tensor-parallel shard of a model with config
+        `cfg` (the full config; the loss runs with the local one); `dp_group`: the process group gradients are
+        summed over (None: the world)."""
         if fsdp_unit not in ("block", "model"):
             raise ValueError(f"fsdp_unit must be 'block' or 'model', got {fsdp_unit!r}")
         if fsdp_param_dtype not in (None, torch.float32, opts.autocast_dtype):
             raise ValueError(f"fsdp_param_dtype {fsdp_param_dtype} needs autocast in that dtype (autocast_dtype is "
                              f"{opts.autocast_dtype}): the gathered weights are the compute weights")  # fmt: skip
         self.opts, self.optim = opts, optim
-        self.sharded = sharded
+        self.sharded, self.tp, self.dp_group = sharded, tp, dp_group
         self.per_block = sharded and fsdp_unit == "block" and type(self).micro_loss is TrainStep.micro_loss
         self.gather_dtypes = {"param_dtype": fsdp_param_dtype, "reduce_dtype": fsdp_reduce_dtype}
         self.decay = decay_mask(trainable)  # from the tree's names and shapes only
         self.muon = muon_mask(trainable) if uses_muon(optim) else None
         run_unit = BlockGather(**self.gather_dtypes) if self.per_block else None
-        loss = functools.partial(train_loss, cfg=cfg, opts=opts, to_params=to_params, run_unit=run_unit)
+        local_cfg = cfg if tp is None else tp_config(cfg, tp.tp.size)
+        loss = functools.partial(train_loss, cfg=local_cfg, opts=opts, to_params=to_params, run_unit=run_unit, tp=tp)
         self.loss = torch.compile(loss) if opts.compile and not self.per_block else loss
 
     def __call__(
@@ -321,9 +352,9 @@ class TrainStep:
             raise ValueError("a train step needs at least one micro-batch")
         # [items normalising the loss, trained tokens] of the global batch (one all-reduce)
         counts = torch.stack([self.counts(mb) for mb in micro_batches]).sum(dim=0).float()
-        world = _world()
+        world = _world() if self.dp_group is None else dist.get_world_size(self.dp_group)
         if world > 1:
-            dist.all_reduce(counts)
+            dist.all_reduce(counts, group=self.dp_group)
         norm, tokens = counts[0].clamp(min=1.0), counts[1]
         total = torch.zeros((), device=counts.device)
         stats: dict[str, Tensor] = {}  # statistics summed over micro-batches (and ranks below)
@@ -340,11 +371,15 @@ class TrainStep:
         params = leaves(state.trainable)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if self.sharded:  # the backward already reduce-scattered the gradients into the shards
-            _all_reduce_sum_([total, *stats.values()])
+            _all_reduce_sum_([total, *stats.values()], self.dp_group)
+        elif world > 1:
+            _all_reduce_sum_([total, *stats.values(), *grads], self.dp_group)
+        if self.tp is not None:  # partial sums of replicated leaves, then the whole model's norm
+            self.tp.finish_grads_(state.trainable, grads)
+            grad_norm = self.tp.clip_(state.trainable, grads, self.opts.max_grad_norm)
+        elif self.sharded:
             grad_norm = clip_sharded_(grads, self.opts.max_grad_norm)
         else:
-            if world > 1:
-                _all_reduce_sum_([total, *stats.values(), *grads])
             grad_norm = clip_grad_norm_(grads, self.opts.max_grad_norm)
         with torch.no_grad():
             optimizer_update_(

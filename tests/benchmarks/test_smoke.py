@@ -25,7 +25,15 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, **env: str) -> dict:
 
 @pytest.mark.parametrize(
     "script",
-    ["bench_attention.py", "bench_rotary.py", "bench_forward.py", "bench_engine.py", "bench_train.py", "bench_host.py"],
+    [
+        "bench_attention.py",
+        "bench_rotary.py",
+        "bench_forward.py",
+        "bench_engine.py",
+        "bench_host.py",
+        "bench_tp.py",
+        pytest.param("bench_train.py", marks=pytest.mark.slow),
+    ],  # ~30 s on 2 cores: compiles three train steps
 )
 def test_smoke_mode_reports_json(script, tmp_path):
     report = _smoke(script, tmp_path, timeout=600, TRITON_INTERPRET="1")
@@ -39,6 +47,10 @@ def test_smoke_mode_reports_json(script, tmp_path):
     elif report.get("benchmark") == "bench_host":  # every component measured
         assert {r["component"] for r in report["results"]} == {"meta", "engine", "sampling", "detok"}
         assert all(r["us_per_step"] > 0 for r in report["results"])
+    elif report.get("benchmark") == "bench_tp":  # TP=2 halves the per-rank weights and KV (outputs were equal)
+        one, two = report["results"]
+        assert two["param_mib_per_rank"] < 0.6 * one["param_mib_per_rank"]
+        assert two["kv_bytes_per_token_per_rank"] * 2 == one["kv_bytes_per_token_per_rank"] and two["warm_tok_s"] > 0
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work

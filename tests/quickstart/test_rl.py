@@ -12,6 +12,7 @@ Numbers in docs/training.md ("RL quickstart"); making the gain reliable is open 
 import io
 import shutil
 
+import pytest
 import tyro
 from rich.console import Console
 
@@ -42,6 +43,7 @@ def test_cli_rl_flag_and_grpo_options():
     assert not plain.rl and plain.grpo == RLSettings()
 
 
+@pytest.mark.slow  # needs the full quickstart model (the session fixture: ~3.5 minutes on 2 cores)
 def test_rl_from_the_quickstart_model_runs_and_reports(trained_quickstart, tmp_path):
     """GRPO on the paraphrased task from the full SFT model: both accuracies, the table, the model, the metrics."""
     shutil.copytree(trained_quickstart.settings.out_dir / "model", tmp_path / "qs" / "model")
