@@ -6,11 +6,13 @@ same random decoder (`--preset`), shards it (`shard_tree`: every leaf `Shard(0)`
 mode on the same global batches (`--batch` rows of `--seq` tokens per rank, fp32 AdamW, clipping 1.0, eager):
 - `model`: `fsdp_unit="model"`, the whole tree all-gathered at the start of each micro-batch;
 - `block`: `fsdp_unit="block"`, each unit (embedding, every block, final norm + LM head) gathered just for its
-  call and again for its backward;
+  call and again for its backward, the next block's gather issued while the current one computes (prefetch,
+  the default: two blocks alive at the peak);
+- `block_no_prefetch`: the same, one unit at a time (`--no-fsdp-prefetch`);
 - `block_bf16`: per block with the shards cast to bf16 before the all-gather (`fsdp_param_dtype`), bf16 autocast
   compute, gradients reduce-scattered in fp32 (a different compute dtype: its step time is not comparable on CPU).
-Repeats are interleaved (model, block, block_bf16, model, ...) after one warm-up step each, so drift on a shared
-machine hits all alike; we report the median step time.
+Repeats are interleaved (model, block, block_no_prefetch, block_bf16, model, ...) after one warm-up step each, so
+drift on a shared machine hits all alike; we report the median step time.
 
 Memory, per rank: `shard MiB` is this rank's share of the weights (1/R of each leaf, padded); `peak gathered MiB`
 is the most full-size gathered parameter storage alive at once during a step (`track_gathered`: weak references to
@@ -49,7 +51,12 @@ from astrai.tree import leaves
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu_bench_distributed.json"
 WORLD = 2
-MODES = {"model": ("model", None), "block": ("block", None), "block_bf16": ("block", torch.bfloat16)}
+MODES = {  # name -> (fsdp unit, gather dtype, prefetch)
+    "model": ("model", None, False),
+    "block": ("block", None, True),
+    "block_no_prefetch": ("block", None, False),
+    "block_bf16": ("block", torch.bfloat16, True),
+}
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "smoke": (64, 128, 2, 2, 1, 256),
     "small": (256, 768, 8, 4, 2, 4096),
@@ -104,11 +111,11 @@ def rank_main(args: argparse.Namespace) -> None:
     mesh = make_mesh(torch.device("cpu"))
     optim = AdamWConfig(lr=1e-3)
     runs = {}
-    for name, (unit, dtype) in MODES.items():
+    for name, (unit, dtype, prefetch) in MODES.items():
         state = init_train_state(shard_tree(init_params(cfg, seed=0), mesh), optim)
         opts = StepOptions(max_grad_norm=1.0, compile=False, autocast_dtype=dtype)
         step = TrainStep(cfg, opts, optim, trainable=state.trainable, sharded=True, fsdp_unit=unit,
-                         fsdp_param_dtype=dtype)  # fmt: skip
+                         fsdp_param_dtype=dtype, fsdp_prefetch=prefetch)  # fmt: skip
         runs[name] = (step, state)
     shard_mib = sum(t.to_local().untyped_storage().nbytes() for t in leaves(runs["block"][1].trainable)) / MIB
     data = batches(cfg, args.batch, args.seq, args.steps + 1, rank)

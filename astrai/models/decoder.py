@@ -212,6 +212,13 @@ def _block(block: BlockParams, x: Tensor, ctx: BlockContext, *, cfg: ModelConfig
     return x + tp_reduce(mlp(block.mlp, h), tp), None
 
 
+def _next_unit(params: DecoderParams, layer: int, checkpoint_blocks: bool) -> BlockParams | None:
+    # the unit a `run_unit` may prefetch after block `layer` (-1: the embedding); none under checkpointing
+    if checkpoint_blocks or layer + 1 >= len(params.blocks):
+        return None
+    return params.blocks[layer + 1]
+
+
 def hidden_states(
     params: DecoderParams,
     cfg: ModelConfig,
@@ -239,9 +246,11 @@ def hidden_states(
     (activation checkpointing: stores only the block inputs). Encoder extras (dense mode): `causal=False` runs
     the blocks bidirectionally and `key_padding_mask` ([B, T] bool, True for real tokens) hides padded keys.
 
-    `run_unit(fn, unit_params, *args, checkpoint=bool, **kwargs)`, when given, makes each call of the embedding
-    lookup and of every block (`fn(unit_params', *args, **kwargs)`), and owns activation checkpointing of the
-    blocks (FSDP per block: `astrai.train.fsdp.BlockGather` gathers each unit's shards for that call only).
+    `run_unit(fn, unit_params, *args, checkpoint=bool, next_params=..., **kwargs)`, when given, makes each call of
+    the embedding lookup and of every block (`fn(unit_params', *args, **kwargs)`), and owns activation
+    checkpointing of the blocks (FSDP per block: `astrai.train.fsdp.BlockGather` gathers each unit's shards for
+    that call only); `next_params` is the block that runs next (None for the last, and under checkpointing), so
+    the runner can prefetch it.
 
     `tp`: `params` is this rank's tensor-parallel shard and `cfg` its local config (`astrai.models.tp`); the
     result is the full residual stream, the same on every rank.
@@ -271,13 +280,18 @@ def hidden_states(
     if embeds is not None:
         x = embeds
     else:
-        x = embed(params.embed_tokens, tokens, tp) if run_unit is None else run_unit(embed, params.embed_tokens, tokens)
+        x = (
+            embed(params.embed_tokens, tokens, tp)
+            if run_unit is None
+            else run_unit(embed, params.embed_tokens, tokens, next_params=_next_unit(params, -1, checkpoint_blocks))
+        )
     aux = None
     for layer, block in enumerate(params.blocks):
         ctx = BlockContext(layer=layer, cos=cos, sin=sin, meta=meta, cache=layer_cache(cache, layer), doc_ids=doc_ids,
                            causal=causal, key_padding_mask=key_padding_mask, with_aux=return_aux, tp=tp)  # fmt: skip
         if run_unit is not None:
-            x, layer_aux = run_unit(_block, block, x, ctx, checkpoint=checkpoint_blocks, cfg=cfg)
+            x, layer_aux = run_unit(_block, block, x, ctx, checkpoint=checkpoint_blocks, cfg=cfg,
+                                    next_params=_next_unit(params, layer, checkpoint_blocks))  # fmt: skip
         elif checkpoint_blocks:
             x, layer_aux = torch.utils.checkpoint.checkpoint(_block, block, x, ctx, cfg=cfg, use_reentrant=False)
         else:

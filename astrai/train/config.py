@@ -174,6 +174,9 @@ class TrainConfig:
     fsdp_gather_dtype: Literal["fp32", "bf16"] = "fp32"
     """With fsdp: dtype of the all-gathered weights (bf16 halves gather traffic and memory; needs precision bf16);
     gradients are reduce-scattered in fp32 and the shards stay fp32."""
+    fsdp_prefetch: bool = True
+    """With fsdp per block: issue the next block's all-gather before the current block computes (and, in the
+    backward, the previous block's re-gather), overlapping communication with compute; peak: two blocks."""
     resume: bool = False
     """Continue from the newest valid checkpoint in out_dir, falling back past corrupt ones with a warning (a
     run never overwrites checkpoints without it); a run already at `steps` says so and does nothing."""

@@ -184,7 +184,7 @@ class _Run:
                 self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
                 sharded=self.sharded, fsdp_unit=cfg.fsdp_unit,
                 fsdp_param_dtype=torch.bfloat16 if cfg.fsdp_gather_dtype == "bf16" else None,
-                tp=self.tp_train, dp_group=self.layout.dp_group,
+                fsdp_prefetch=cfg.fsdp_prefetch, tp=self.tp_train, dp_group=self.layout.dp_group,
             )  # fmt: skip
         self.reference = None  # DPO: batch -> [2, B] reference log-probs (`prepare_reference`)
         self.rollouts: Rollouts | None = None  # GRPO: the engine, rewards and reference (`prepare_reference`)

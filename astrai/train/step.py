@@ -307,6 +307,7 @@ class TrainStep:
         fsdp_unit: Literal["block", "model"] = "block",
         fsdp_param_dtype: torch.dtype | None = None,
         fsdp_reduce_dtype: torch.dtype | None = torch.float32,
+        fsdp_prefetch: bool = True,
         tp: TPTrain | None = None,
         dp_group: Any = None,
     ) -> None:
@@ -314,7 +315,8 @@ class TrainStep:
         (`astrai.train.fsdp`). `fsdp_unit` "block" gathers each unit (embedding, block, head) only while it runs
         (eager: the loss is not compiled), "model" gathers the whole tree per micro-batch (the compiled loss);
         subclasses with their own `micro_loss` (DPO) always use "model". `fsdp_param_dtype` / `fsdp_reduce_dtype`:
-        the all-gather and the gradient reduce-scatter dtypes (mixed precision; None: the shards' dtype).
+        the all-gather and the gradient reduce-scatter dtypes (mixed precision; None: the shards' dtype);
+        `fsdp_prefetch`: per block, gather the next unit while this one computes (`BlockGather.prefetch`).
         `tp` (`astrai.train.tp.TPTrain`): `trainable` is this rank's tensor-parallel shard of a model with config
         `cfg` (the full config; the loss runs with the local one); `dp_group`: the process group gradients are
         summed over (None: the world)."""
@@ -329,7 +331,8 @@ class TrainStep:
         self.gather_dtypes = {"param_dtype": fsdp_param_dtype, "reduce_dtype": fsdp_reduce_dtype}
         self.decay = decay_mask(trainable)  # from the tree's names and shapes only
         self.muon = muon_mask(trainable) if uses_muon(optim) else None
-        run_unit = BlockGather(**self.gather_dtypes) if self.per_block else None
+        run_unit = BlockGather(**self.gather_dtypes, prefetch=fsdp_prefetch) if self.per_block else None
+        self.run_unit = run_unit
         local_cfg = cfg if tp is None else tp_config(cfg, tp.tp.size)
         loss = functools.partial(train_loss, cfg=local_cfg, opts=opts, to_params=to_params, run_unit=run_unit, tp=tp)
         self.loss = torch.compile(loss) if opts.compile and not self.per_block else loss
@@ -365,6 +368,8 @@ class TrainStep:
                 frozen_mb = gather_tree(frozen, **self.gather_dtypes) if frozen is not None else None
             loss, task_sum, mb_stats = self.micro_loss(trainable, frozen_mb, mb, norm)
             loss.backward()
+            if self.run_unit is not None:  # backward prefetches never unpacked by the backward
+                self.run_unit.drain()
             total += task_sum
             for name, value in mb_stats.items():
                 stats[name] = stats.get(name, 0) + value

@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "muon_model": {"optim": "muon", "unit": "model"},
     "ckpt": {"ckpt": True, "accum": 2},
     "bf16": {"param_dtype": "bfloat16"},
+    "noprefetch": {"prefetch": False},
 }
 
 
@@ -101,7 +102,8 @@ def setup(variant: dict[str, Any], shard: Any = None) -> tuple[TrainStep, Any, A
     opts = StepOptions(max_grad_norm=1.0, checkpoint_blocks=bool(variant.get("ckpt")), compile=False,
                        autocast_dtype=dtype)  # fmt: skip
     step = TrainStep(cfg, opts, optim, trainable=state.trainable, to_params=to_params, sharded=shard is not None,
-                     fsdp_unit=variant.get("unit", "block"), fsdp_param_dtype=dtype)  # fmt: skip
+                     fsdp_unit=variant.get("unit", "block"), fsdp_param_dtype=dtype,
+                     fsdp_prefetch=variant.get("prefetch", True))  # fmt: skip
     return step, state, frozen
 
 
@@ -114,7 +116,10 @@ def unit_bytes(cfg: ModelConfig, world: int) -> dict[str, int]:
 
     block = max(size(b) for b in params.blocks)
     embed = size(params.embed_tokens) + size(params.norm)  # the head unit: final norm + (tied) embedding
-    return {"block": block, "embed": embed, "model": size(params)}
+    lora = init_lora(params, LoRAConfig(r=4, alpha=8, targets=("all-linear",)), seed=2)
+    lora_block = max(size(b) + sum(size(ad) for name, ad in lora.items() if name.startswith(f"blocks.{i}."))
+                     for i, b in enumerate(params.blocks))  # fmt: skip
+    return {"block": block, "lora_block": lora_block, "embed": embed, "model": size(params)}
 
 
 def main() -> None:
@@ -142,7 +147,7 @@ def main() -> None:
         evals = micro_batches(global_batches()[-1], 1, rank, world)
         kw = {"cfg": model_config(), "opts": step.opts, "to_params": step.loss.keywords["to_params"]}
         with track_gathered() as eval_stats:
-            per_unit = eval_sums(state.trainable, frozen, evals, run_unit=BlockGather(), **kw)
+            per_unit = eval_sums(state.trainable, frozen, evals, run_unit=BlockGather(prefetch=False), **kw)
         whole = eval_sums(gather_tree(state.trainable), gather_tree(frozen), evals, **kw)
         trained = full_tree(state.trainable)
         if rank == 0:

@@ -32,7 +32,7 @@ _spec = importlib.util.spec_from_file_location("fsdp_worker", _WORKER)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-TRAJECTORY = ("block", "accum", "lora", "muon", "ckpt")
+TRAJECTORY = ("block", "accum", "lora", "muon", "ckpt", "noprefetch")
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +100,15 @@ def test_whole_model_gather_gives_the_same_losses(ranks, block, model):
 def test_peak_gathered_bytes_stay_within_one_unit(ranks):
     bound = ranks["block"]["bound"]
     per_unit = bound["block"] + bound["embed"]  # the largest block + the embedding (head) unit
-    for name in ("block", "accum", "lora", "muon", "ckpt"):
+    for name in ("noprefetch", "ckpt"):  # one unit at a time (checkpointing never prefetches)
         assert 0 < max(ranks[name]["peaks"]) <= per_unit, (name, ranks[name]["peaks"], per_unit)
+    # prefetch (the default): the next block's gather is alive while this one computes: at most two units
+    for name in ("block", "accum", "lora", "muon"):
+        unit = bound["lora_block"] if name == "lora" else bound["block"]  # a LoRA unit carries its adapters too
+        two_units = max(2 * unit, unit + bound["embed"])
+        assert 0 < max(ranks[name]["peaks"]) <= two_units, (name, ranks[name]["peaks"], two_units)
+    assert max(ranks["block"]["peaks"]) > max(ranks["noprefetch"]["peaks"])  # the prefetch really overlapped
+    assert ranks["block"]["gathers"] == ranks["noprefetch"]["gathers"]  # and gathered nothing twice
     # negative control: the whole-model gather holds every unit at once, far over the bound
     assert max(ranks["model"]["peaks"]) > per_unit
     assert max(ranks["model"]["peaks"]) >= bound["model"]
