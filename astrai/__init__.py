@@ -18,6 +18,7 @@ from astrai.api import embed as embed  # noqa: E402
 from astrai.api import embed_ids as embed_ids  # noqa: E402
 from astrai.api import forward as forward  # noqa: E402
 from astrai.inference.chat import chat as chat  # noqa: E402
+from astrai.inference.engine_cache import release_engines as release_engines  # noqa: E402
 from astrai.inference.generate import generate as generate  # noqa: E402
 from astrai.inference.generate import generate_ids as generate_ids  # noqa: E402
 from astrai.io.errors import CheckpointError as CheckpointError  # noqa: E402

@@ -1,5 +1,5 @@
-"""FSDP on CPU (gloo, 2 ranks): per-rank peak full-size parameter memory and step time, whole-model gather vs per
-block (`astrai.train.fsdp`).
+"""FSDP and tensor parallel on CPU (gloo, 2 ranks): per-rank parameter memory and step time, whole-model gather vs
+per block (`astrai.train.fsdp`) vs tensor parallel (`astrai.train.tp`).
 
 The script spawns its own 2 rank processes (plain `python`, gloo on 127.0.0.1; no torchrun). Every rank builds the
 same random decoder (`--preset`), shards it (`shard_tree`: every leaf `Shard(0)`) and runs one `TrainStep` per
@@ -10,7 +10,10 @@ mode on the same global batches (`--batch` rows of `--seq` tokens per rank, fp32
   the default: two blocks alive at the peak);
 - `block_no_prefetch`: the same, one unit at a time (`--no-fsdp-prefetch`);
 - `block_bf16`: per block with the shards cast to bf16 before the all-gather (`fsdp_param_dtype`), bf16 autocast
-  compute, gradients reduce-scattered in fp32 (a different compute dtype: its step time is not comparable on CPU).
+  compute, gradients reduce-scattered in fp32 (a different compute dtype: its step time is not comparable on CPU);
+- `tp`: tensor parallel over the same 2 ranks (`--tp 2`): each rank holds half of every matrix (norms replicated)
+  and runs the whole global batch (both ranks' rows); nothing is gathered, activations are all-reduced instead.
+  Its losses must equal the whole-model gather's (<= 1e-4), otherwise the script fails.
 Repeats are interleaved (model, block, block_no_prefetch, block_bf16, model, ...) after one warm-up step each, so
 drift on a shared machine hits all alike; we report the median step time.
 
@@ -86,6 +89,10 @@ def unit_mib(cfg: ModelConfig) -> dict[str, float]:
             "embedding": size(params.embed_tokens), "head": head}  # fmt: skip
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def batches(cfg: ModelConfig, rows: int, seq: int, count: int, rank: int) -> list[LMBatch]:
     """This rank's rows of `count` global batches (the same on every run)."""
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +109,9 @@ def rank_main(args: argparse.Namespace) -> None:
     """One rank: every mode's step, interleaved; writes this rank's measurements to `args.rank_out`."""
     import torch.distributed as dist
 
+    from astrai.models.tp import shard_params
     from astrai.train.fsdp import make_mesh, shard_tree, track_gathered
+    from astrai.train.tp import TPTrain, make_layout
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -117,17 +126,29 @@ def rank_main(args: argparse.Namespace) -> None:
         step = TrainStep(cfg, opts, optim, trainable=state.trainable, sharded=True, fsdp_unit=unit,
                          fsdp_param_dtype=dtype, fsdp_prefetch=prefetch)  # fmt: skip
         runs[name] = (step, state)
-    shard_mib = sum(t.to_local().untyped_storage().nbytes() for t in leaves(runs["block"][1].trainable)) / MIB
+    # tensor parallel over the same 2 ranks: each rank runs the whole global batch on half of every matrix
+    layout = make_layout(WORLD, rank, WORLD, torch.device("cpu"))
+    state = init_train_state(shard_params(init_params(cfg, seed=0), cfg, layout.tp), optim)
+    step = TrainStep(cfg, StepOptions(max_grad_norm=1.0, compile=False), optim, trainable=state.trainable,
+                     tp=TPTrain(cfg, layout.tp, sharded=False), dp_group=layout.dp_group)  # fmt: skip
+    runs["tp"] = (step, state)
+    names = [*MODES, "tp"]
+    shard_mib = {name: sum(_local(t).untyped_storage().nbytes() for t in leaves(state.trainable)) / MIB
+                 for name, (_, state) in runs.items()}  # fmt: skip
     data = batches(cfg, args.batch, args.seq, args.steps + 1, rank)
-    times: dict[str, list[float]] = {name: [] for name in MODES}
-    peaks: dict[str, int] = dict.fromkeys(MODES, 0)
-    losses: dict[str, list[float]] = {name: [] for name in MODES}
+    everyone = [batches(cfg, args.batch, args.seq, args.steps + 1, r) for r in range(WORLD)]
+    fields = ("tokens", "targets", "loss_mask", "positions")
+    whole = [LMBatch(*(torch.cat([getattr(b[i], f) for b in everyone]) for f in fields))
+             for i in range(args.steps + 1)]  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, int] = dict.fromkeys(names, 0)
+    losses: dict[str, list[float]] = {name: [] for name in names}
     for i, batch in enumerate(data):
         for name, (step, state) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
             with track_gathered() as stats:
-                metrics = step(state, [batch], 1e-3)
+                metrics = step(state, [whole[i] if name == "tp" else batch], 1e-3)
             loss = metrics["loss"].item()
             elapsed = time.perf_counter() - t0
             peaks[name] = max(peaks[name], stats.peak_bytes)
@@ -174,10 +195,13 @@ def run(args: argparse.Namespace) -> dict:
     if worst > 1e-5:
         raise RuntimeError(f"per-block and whole-model losses differ by {worst}: the comparison would not be fair")
     units = unit_mib(cfg)
+    tp_worst = max(abs(a - b) for a, b in zip(ref, per_rank[0]["losses"]["tp"], strict=True))
+    if tp_worst > 1e-4:
+        raise RuntimeError(f"tensor-parallel and whole-model losses differ by {tp_worst}")
     rows = []
-    for name in MODES:
+    for name in [*MODES, "tp"]:
         peak = max(r["peak_gathered_mib"][name] for r in per_rank)
-        shard = max(r["shard_mib"] for r in per_rank)
+        shard = max(r["shard_mib"][name] for r in per_rank)
         rows.append({"mode": name, "shard_mib": shard, "peak_gathered_mib": peak, "param_peak_mib": shard + peak,
                      "step_ms": max(r["step_ms"][name] for r in per_rank)})  # fmt: skip
     return {
@@ -192,8 +216,9 @@ def run(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "threads_per_rank": args.threads,
         "results": rows,
-        "losses": {name: per_rank[0]["losses"][name] for name in MODES},
+        "losses": {name: per_rank[0]["losses"][name] for name in [*MODES, "tp"]},
         "max_loss_diff_block_vs_model": worst,
+        "max_loss_diff_tp_vs_model": tp_worst,
         "host": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
     }
 
@@ -201,8 +226,9 @@ def run(args: argparse.Namespace) -> dict:
 def show(report: dict) -> None:
     u = report["units_mib"]
     title = (
-        f"FSDP on {report['world_size']} gloo ranks, preset {report['preset']}: full model {u['model']:.2f} MiB, "
-        f"largest block {u['largest_block']:.2f}, embedding {u['embedding']:.2f}, head {u['head']:.2f}"
+        f"FSDP and TP on {report['world_size']} gloo ranks, preset {report['preset']}: "
+        f"full model {u['model']:.2f} MiB, largest block {u['largest_block']:.2f}, "
+        f"embedding {u['embedding']:.2f}, head {u['head']:.2f}"
     )
     cols = [("mode", ""), ("shard_mib", ".2f"), ("peak_gathered_mib", ".2f"), ("param_peak_mib", ".2f"),
             ("step_ms", ".1f")]  # fmt: skip

@@ -17,6 +17,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _eager_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`astrai.generate`'s cached engines run eagerly in tests: a compile per model costs seconds on CPU (the
+    compiled path has its own test in tests/astrai/inference/test_engine_cache.py)."""
+    from astrai.inference import engine_cache
+
+    monkeypatch.setattr(engine_cache, "COMPILE", False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -1,6 +1,7 @@
-"""`astrai.generate`: one-shot batch generation on a short-lived `Engine` sized to the batch.
+"""`astrai.generate`: batch generation on the model's cached `Engine` (`engine_cache`: one per live model, compiled
+on the first call behind a spinner, reused after; `release_engines` frees it).
 
-For serving, keep one `Engine` alive instead (it compiles its decode step once and shares KV across requests).
+For serving or streaming, keep your own `Engine` (background thread, shared KV across requests).
 Prompts are never truncated: a prompt plus `max_tokens` beyond the model's context is rejected with both numbers.
 
 Text prompts are encoded by `Tokenizer.encode_prompt`: the tokenizer's post-processor runs (a leading BOS where the
@@ -16,13 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference import engine_cache
 from astrai.inference.outputs import Completion
 from astrai.inference.params import SamplingParams
 from astrai.io.model import Model
-from astrai.ops.attention import pages_needed
-
-PAGE_SIZE = 16
 
 
 def _prompt_ids(
@@ -44,14 +42,7 @@ def _prompt_ids(
 
 
 def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-    if not prompts:
-        raise ValueError("no prompts given")
-    budget = sum(pages_needed(len(p) + params.max_tokens, PAGE_SIZE) * PAGE_SIZE for p in prompts) * params.n
-    config = EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=budget, max_running=len(prompts) * params.n,
-                          max_step_tokens=max(2048, len(prompts) * params.n), compile=False,
-                          background=False)  # fmt: skip
-    with Engine(model, config) as engine:
-        return engine.generate(list(prompts), params)
+    return engine_cache.run(model, prompts, params)
 
 
 def generate(
@@ -71,6 +62,11 @@ def generate(
 
     For a conversation, `astrai.chat` applies the model's chat template; passing template text rendered by hand
     (`model.tokenizer.apply_chat_template(messages)`) here gives the same ids: see `Tokenizer.encode_prompt`.
+
+    The first call on a model builds an engine for it and compiles its decode step (seconds, behind a spinner on
+    stderr); later calls on the same `Model` object reuse that engine, sized up when a call needs more, and read
+    the model's current weights (changed in place or not). `astrai.release_engines` frees it before the model
+    is garbage-collected.
 
     Args:
         model: a loaded model with a tokenizer.
@@ -106,7 +102,7 @@ def generate_ids(
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Generated token ids per prompt, the final stop token excluded; arguments as `generate`.
+    """Generated token ids per prompt, the final stop token excluded; arguments and engine reuse as `generate`.
 
     Args:
         model: a loaded model (no tokenizer needed).

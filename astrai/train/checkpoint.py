@@ -6,6 +6,8 @@ A checkpoint holds everything a resumed run needs to continue the exact loss tra
 - `rng.safetensors`: torch CPU (and CUDA) generator states;
 - `state.json`: step, tokens seen, sampler position, and the run's config;
 - `manifest.json`: the size and SHA-256 of every other file, written last.
+A sharded checkpoint (`--fsdp`, `astrai.train.sharded_checkpoint`) holds `shards/` (one safetensors file of local
+shards per rank and `shards/index.json`) instead of `model/` and `optimizer.safetensors`; its manifest lists them.
 Each is written into a temp folder that is fsynced and renamed into place (`astrai.io.checkpoint.atomic_dir`),
 so a crash or kill at any moment leaves either the previous checkpoint set or the new one, never half a folder.
 Temp folders (`.step_*.tmp-*`) are never mistaken for checkpoints and are swept on the next save.
@@ -41,6 +43,8 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _FILES = ("state.json", "optimizer.safetensors", "rng.safetensors")  # listed in every manifest
 _REQUIRED = (*_FILES, "model")
+SHARD_INDEX = "shards/index.json"  # marks a sharded checkpoint: every rank's shard file is named in it
+_SHARDED_FILES = ("state.json", "rng.safetensors", SHARD_INDEX)
 STATE_FIELDS = ("step", "tokens_seen", "sampler")  # what the train loop's state.json must hold
 
 
@@ -111,6 +115,21 @@ def write_manifest(folder: Path) -> None:
     write_json(folder / MANIFEST, {"format": MANIFEST_FORMAT, "files": files})
 
 
+def write_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None], *, keep_last: int) -> Path:
+    """Run `write(tmp)` (it writes every file, the manifest last) in a temp folder renamed to `step_NNNNNNNN`
+    (`atomic_dir`), after sweeping temp folders of killed saves; then delete all but the newest `keep_last`."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step_*.tmp-*"):  # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    path = atomic_dir(root / f"step_{step:08d}", write)
+    for old in checkpoint_dirs(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -121,12 +140,6 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Atomically write checkpoint `step` with its manifest, then delete all but the newest `keep_last` (>= 1)."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step_*.tmp-*"):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
 
     def write(tmp: Path) -> None:
         (tmp / "model").mkdir()
@@ -136,10 +149,30 @@ def save_checkpoint(
         write_json(tmp / "state.json", {"step": step, **state})
         write_manifest(tmp)
 
-    path = atomic_dir(root / f"step_{step:08d}", write)
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
+    return write_checkpoint(run_dir, step, write, keep_last=keep_last)
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether checkpoint folder `path` is a sharded (`--fsdp`) one: per-rank shard files, no `model/`."""
+    return (Path(path) / SHARD_INDEX).is_file()
+
+
+def shard_files(path: str | Path) -> list[str]:
+    """The per-rank shard files a sharded checkpoint's index names (relative to `path`)."""
+    index = read_json(Path(path) / SHARD_INDEX)
+    world = index.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{Path(path) / SHARD_INDEX}: no valid world_size")
+    return [shard_file(rank, world) for rank in range(world)]
+
+
+def shard_file(rank: int, world_size: int) -> str:
+    """Rank `rank`'s shard file in a sharded checkpoint of `world_size` ranks."""
+    return f"shards/rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def _required(path: Path) -> tuple[str, ...]:
+    return _SHARDED_FILES if is_sharded(path) else _REQUIRED
 
 
 def _check_file(path: Path, name: str, entry: Any) -> None:
@@ -166,9 +199,10 @@ def verify_checkpoint(path: str | Path) -> bool:
         CheckpointError: naming the first file that is missing, truncated or whose SHA-256 differs.
     """
     path = Path(path)
-    for name in _REQUIRED:
+    for name in _required(path):
         if not (path / name).exists():
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
+    listed = (*_SHARDED_FILES, *shard_files(path)) if is_sharded(path) else _FILES
     if not (path / MANIFEST).is_file():
         for file in sorted(path.rglob("*.safetensors")):
             try:
@@ -181,7 +215,7 @@ def verify_checkpoint(path: str | Path) -> bool:
     files = manifest.get("files")
     if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
         raise CheckpointError(f"{path / MANIFEST}: not a format-{MANIFEST_FORMAT} checkpoint manifest")
-    for name in _FILES:
+    for name in listed:
         if name not in files:
             raise CheckpointError(f"{path / MANIFEST}: does not list {name}")
     for name, entry in files.items():
@@ -197,7 +231,8 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(state.json, optimizer tensors, rng states) of a checkpoint folder; its weights are in `path/model`.
+    """(state.json, optimizer tensors, rng states) of a checkpoint folder; its weights are in `path/model`
+    (a sharded checkpoint: weights and optimizer state in `path/shards`, and the optimizer tensors are empty).
 
     Does not verify checksums (`verify_checkpoint` does).
 
@@ -205,7 +240,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
         CheckpointError: a file is missing or unreadable, or state.json lacks a field (the message names it).
     """
     path = Path(path)
-    for name in _REQUIRED:
+    for name in _required(path):
         if not (path / name).exists():
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
     state = read_json(path / "state.json")
@@ -215,6 +250,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
     rng = _load_tensors(path / "rng.safetensors")
     if "cpu" not in rng:
         raise CheckpointError(f"{path / 'rng.safetensors'}: no 'cpu' generator state")
+    if is_sharded(path):  # the optimizer state is in the shards, read one tensor at a time on resume
+        return state, {}, rng
     return state, _load_tensors(path / "optimizer.safetensors"), rng
 
 
@@ -241,6 +278,11 @@ class Resumable:
     @property
     def step(self) -> int:
         return int(self.state["step"])
+
+    @property
+    def sharded(self) -> bool:
+        """Saved by `--fsdp` ranks as per-rank shards (`astrai.train.sharded_checkpoint`)."""
+        return is_sharded(self.path)
 
 
 def open_checkpoint(path: str | Path) -> Resumable:

@@ -20,7 +20,8 @@ same thing one level lower, with the DTensor primitives FSDP2 is built on:
   comes back in the shard's own dtype (fp32 master weights).
 - `track_gathered`: a measurement context: the bytes of full-size gathered storages alive at any moment (weak
   references to the storages, sampled after every gather), its maximum over the context, and the gather count.
-- `full_tree`: all ranks gather full tensors (checkpoints, the final model); a collective, so every rank calls it.
+- `full_tree`: all ranks gather full tensors (the final model, `--tp` checkpoints; `--fsdp` checkpoints are saved
+  per rank by `astrai.train.sharded_checkpoint`); a collective, so every rank calls it.
 The optimizers run on the sharded leaves (torch's functional AdamW accepts DTensors; Muon all-gathers each
 matrix's update for Newton-Schulz), so their state stays sharded.
 

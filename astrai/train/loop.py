@@ -21,6 +21,8 @@ an `Engine` serving the trainer's own tensors, and drops the engine's prefix cac
 
 With `TrainConfig.tp` > 1 (`astrai.train.tp`) each rank trains its tensor-parallel shard: the ranks of one TP
 group read the same data shard, checkpoints and the final model are gathered into the full model (a collective).
+With `--fsdp` alone each rank writes only its shards into checkpoints (`astrai.train.sharded_checkpoint`); the final
+model is gathered.
 
 The base model is a `ModelConfig` (random init) or `TrainConfig.model` as a folder; resolving a name such as
 "tiny" to a `ModelConfig` is the caller's job (the CLI reads `configs/models.py`: the library never imports it).
@@ -73,6 +75,7 @@ from astrai.train.plot import loss_curve_png
 from astrai.train.progress import TrainProgress
 from astrai.train.rollout import Rollouts, make_rollouts
 from astrai.train.schedule import lr_at
+from astrai.train.sharded_checkpoint import all_finite, load_sharded_, save_sharded_checkpoint
 from astrai.train.signals import StopRequest
 from astrai.train.step import StepOptions, TrainState, TrainStep, eval_sums, full_params, init_train_state
 from astrai.train.tp import TPTrain, check_tp_run, make_layout, shard_adamw, unshard_adamw
@@ -226,7 +229,17 @@ class _Run:
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        # sharded weights and moments are gathered on every rank (a collective), then rank 0 writes them
+        state = {"tokens_seen": self.tokens_seen, "sampler": self.data.sampler.state_dict(),
+                 "config": config_to_dict(self.cfg)}  # fmt: skip
+        if self.sharded and self.tp is None:  # each rank writes its own shards: no full copy anywhere
+            if self.cfg.stop_on_nonfinite and not all_finite(self.state.trainable):
+                raise NonFiniteError(_nonfinite_message(self, "the updated weights are not finite"))
+            save_sharded_checkpoint(self.run_dir, self.step, trainable=self.state.trainable, opt=self.state.opt,
+                                    state=state, keep_last=self.cfg.keep_last, model_cfg=self.model_cfg,
+                                    eos=self.eos, lora=self.lora_cfg, tokenizer=self.tokenizer)  # fmt: skip
+            distributed.barrier()
+            return
+        # TP: sharded weights and moments are gathered on every rank (a collective), then rank 0 writes them
         model = self.model() if self.lora_cfg is None and (self.dist.is_main or self.collective_save) else None
         adapters = None  # LoRA: the adapters to write, gathered on every rank when sharded
         if self.lora_cfg is not None:
@@ -248,11 +261,6 @@ class _Run:
                 else:
                     save(model, folder)
 
-            state = {
-                "tokens_seen": self.tokens_seen,
-                "sampler": self.data.sampler.state_dict(),
-                "config": config_to_dict(self.cfg),
-            }
             save_checkpoint(
                 self.run_dir,
                 self.step,
@@ -265,7 +273,19 @@ class _Run:
 
     def resume(self, found: Resumable) -> None:
         """Load checkpoint `found` (weights read in full before anything is replaced)."""
-        path, state, optimizer = found.path, found.state, found.optimizer
+        path, state = found.path, found.state
+        if found.sharded:  # per-rank shards of an --fsdp run, read one full tensor at a time on any world size
+            if self.tp is not None:
+                raise CheckpointError(f"{path}: a sharded --fsdp checkpoint resumes without --tp (export it first)")
+            load_sharded_(path, self.state.trainable, self.state.opt)
+        else:
+            self._load_gathered(path, found.optimizer)
+        self.data.sampler.load_state_dict(state["sampler"])
+        set_rng_state(found.rng)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+    def _load_gathered(self, path: Path, optimizer: dict[str, torch.Tensor]) -> None:
+        """Weights from `path/model` and the full model's optimizer tensors, into this rank's (sharded) trees."""
         if self.lora_cfg is not None:
             lora, _ = load_lora(path / "model", self.base if self.base is not None else self.frozen)
             weights = named_tensors(lora)
@@ -283,9 +303,6 @@ class _Run:
         else:
             opt = load_optimizer_state(self.state.opt, optimizer)
             self.state = TrainState(trainable=self.state.trainable, opt=to_device(opt, self.device))
-        self.data.sampler.load_state_dict(state["sampler"])
-        set_rng_state(found.rng)
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
     # ---- eval ---------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -91,6 +91,9 @@ print(tuple(logits.shape), "next token:", repr(model.tokenizer.decode([next_id])
 # ## Generate
 #
 # Greedy by default; `temperature`, `top_k`, `top_p` and `seed` for sampling. A random model writes random text.
+#
+# The first call on a model builds its engine and compiles the decode step (a few seconds, behind a spinner); later
+# calls reuse that engine (`astrai.release_engines` frees it; it also goes with the model).
 
 # %%
 print(astrai.generate(model, ["the quick brown fox", "hello"], max_tokens=8))

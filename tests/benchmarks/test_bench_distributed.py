@@ -30,3 +30,6 @@ def test_smoke_reports_per_block_memory_below_the_whole_model(tmp_path):
     assert one_unit < rows["block"]["peak_gathered_mib"] <= 2 * one_unit + 1e-9  # prefetch: two units at most
     assert rows["block_bf16"]["peak_gathered_mib"] == pytest.approx(rows["block"]["peak_gathered_mib"] / 2, rel=0.05)
     assert report["max_loss_diff_block_vs_model"] <= 1e-5 and all(r["step_ms"] > 0 for r in rows.values())
+    # tensor parallel: about half the weights per rank, nothing gathered, the same losses
+    assert rows["tp"]["peak_gathered_mib"] == 0 and rows["tp"]["shard_mib"] < 0.6 * units["model"]
+    assert report["max_loss_diff_tp_vs_model"] <= 1e-4

@@ -1,6 +1,7 @@
 """Data parallel on CPU: 2 gloo processes under torchrun reproduce the 1-process run with the same global batch,
 plain (all-reduced gradients) and sharded (FSDP-style DTensor shards gathered one block at a time, stopped and
-resumed halfway), also with LoRA (base and adapters sharded; the final model is the merged one)."""
+resumed halfway from per-rank shard files), also with LoRA (base and adapters sharded; the checkpoints hold the
+adapters' shards, exported as the adapter folder a 1-process run saves; the final model is the merged one)."""
 
 import json
 import os
@@ -9,14 +10,17 @@ import sys
 
 import attrs
 import pytest
+from safetensors.torch import load_file
 
 from astrai.configs.models import tiny
 from astrai.io.model import load
 from astrai.nn.lora import LoRAConfig
 from astrai.train import loop
+from astrai.train.checkpoint import is_sharded
 from astrai.train.config import config_to_dict
 from astrai.train.metrics import read_metrics
 from astrai.train.schedule import ScheduleConfig
+from astrai.train.sharded_checkpoint import export_checkpoint
 from astrai.tree import named_tensors
 from helpers import assert_close
 
@@ -37,9 +41,17 @@ def test_two_gloo_ranks_match_one_process(train_cfg, tmp_path, fsdp, lora):
                         lora=lora)  # fmt: skip
     single = loop.train(attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4), tiny())
     cfg = attrs.evolve(base, out_dir=tmp_path / "ddp", batch_size=2, fsdp=fsdp)
-    if fsdp:  # stop after 2 steps (sharded checkpoint gathered to rank 0), then resume from it
+    if fsdp:  # stop after 2 steps (each rank writes its shards), then resume from them
         _torchrun(attrs.evolve(cfg, steps=2), tmp_path / "ddp.json")
         _torchrun(cfg, tmp_path / "ddp.json", "--resume")
+        step_2 = cfg.out_dir / "checkpoints" / "step_00000002"
+        assert is_sharded(step_2) and not (step_2 / "model").exists()
+        if lora is not None:  # the adapters exported from the shards equal those a 1-process run saved
+            got = load_file(export_checkpoint(step_2, tmp_path / "export") / "adapter_model.safetensors")
+            want = load_file(single.run_dir / "checkpoints" / step_2.name / "model" / "adapter_model.safetensors")
+            assert got.keys() == want.keys()
+            for name in want:
+                assert_close(got[name], want[name], atol=1e-5, msg=name)
     else:
         _torchrun(cfg, tmp_path / "ddp.json")
     ddp_losses = [r["loss"] for r in read_metrics(cfg.out_dir / "metrics.jsonl", kind="train")]

@@ -1,7 +1,9 @@
 """FSDP per block (`astrai.train.fsdp.BlockGather`) on 2 gloo ranks: the loss trajectory and the trained weights
 equal one process on the same global batches (plain, gradient accumulation, LoRA on a sharded base, Muon,
 activation checkpointing), the full-size gathered parameters alive at once stay within one unit (the whole-model
-gather is the negative control), bf16 gathers halve them, and a sharded checkpoint resumes on 1 and on 2 ranks.
+gather is the negative control), bf16 gathers halve them, and per-rank sharded checkpoints (saved by 2 ranks that
+resumed a 1-process checkpoint) resume on 1 and on 2 ranks, fall back past a truncated shard file and export to
+the gathered model.
 
 The rank processes are plain `python` processes (torchrun's agent would add seconds), started once for every
 variant (`fsdp_worker.py`); the 1-process reference runs here, from the same builders.
@@ -19,12 +21,17 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from safetensors import safe_open
 
 from astrai.configs.models import tiny
+from astrai.io.errors import CheckpointError
+from astrai.io.model import load
 from astrai.train import loop
+from astrai.train.checkpoint import verify_checkpoint
 from astrai.train.config import config_to_dict
 from astrai.train.metrics import read_metrics
 from astrai.train.schedule import ScheduleConfig
+from astrai.train.sharded_checkpoint import export_checkpoint
 from astrai.tree import named_tensors
 
 _WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -132,7 +139,7 @@ def test_bf16_gather_halves_the_gathered_bytes(ranks):
     assert max(diffs) < 5e-2 and max(diffs) > 1e-6, diffs  # close to fp32, yet computed in bf16
 
 
-# ---- checkpoints: saved by 2 FSDP ranks and resumed on 1, saved by 1 and resumed on 2 FSDP ranks -----------------
+# ---- checkpoints: saved by 1 and resumed on 2 FSDP ranks, sharded by them and resumed on 2 and on 1 ----------
 
 
 def _torchrun(cfg, path: Path, *extra: str) -> None:
@@ -147,23 +154,56 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl", kind="train")]
 
 
+def _check_shard_files(ckpt: Path) -> None:
+    """Per-rank shard files, each holding only its rows of every split tensor, covered by the manifest."""
+    assert not (ckpt / "model").exists() and not (ckpt / "optimizer.safetensors").exists()
+    index = json.loads((ckpt / "shards" / "index.json").read_text())
+    files = [f"shards/rank{r:05d}-of-00002.safetensors" for r in range(2)]
+    assert index["world_size"] == 2 and all((ckpt / f).is_file() for f in files)
+    assert set(files) <= set(json.loads((ckpt / "manifest.json").read_text())["files"])
+    split = {k: e["shape"] for k, e in index["tensors"].items() if e["split"]}
+    assert any(k.startswith("optimizer.exp_avg.") for k in split) and "model.embed_tokens.weight" in split
+    for rank, name in enumerate(files):
+        with safe_open(str(ckpt / name), framework="pt") as f:
+            for key, shape in split.items():
+                rows = f.get_slice(key).get_shape()[0]
+                assert rows == len(torch.arange(shape[0]).chunk(2)[rank]) < shape[0], (key, rank)
+
+
 def test_sharded_checkpoint_resumes_on_one_and_on_two_ranks(train_cfg, tmp_path):
     schedule = ScheduleConfig(kind="cosine", warmup_steps=1, total_steps=4)
     base = attrs.evolve(train_cfg, steps=4, save_every=2, val_fraction=0.0, eval_every=0, schedule=schedule)
     single = attrs.evolve(base, out_dir=tmp_path / "single", batch_size=4)  # same global batch as 2 x 2
     loop.train(single, tiny())
     ref = _losses(single.out_dir)
-    # 2 FSDP ranks save at step 2, one process resumes
-    two = attrs.evolve(base, out_dir=tmp_path / "two", batch_size=2, fsdp=True, steps=2)
-    _torchrun(two, tmp_path / "two.json")
-    shutil.copytree(two.out_dir, tmp_path / "two_then_one")
+    # one process saves a gathered checkpoint at step 1; 2 FSDP ranks resume it (1 -> 2) and save sharded ones
+    run = tmp_path / "run"
+    loop.train(attrs.evolve(single, out_dir=run, steps=1, save_every=1), tiny())
+    two = attrs.evolve(base, out_dir=run, batch_size=2, fsdp=True, steps=3, save_every=1)
+    _torchrun(two, tmp_path / "two.json", "--resume")
+    steps = run / "checkpoints"
+    _check_shard_files(steps / "step_00000002")
+    # the gathered export at the end equals the last sharded checkpoint exported on one process
+    final = named_tensors(load(run / "model").params)
+    exported = named_tensors(load(export_checkpoint(steps / "step_00000003", tmp_path / "export")).params)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    at_two = named_tensors(load(export_checkpoint(steps / "step_00000002", tmp_path / "export2")).params)
+    want = named_tensors(load(single.out_dir / "checkpoints" / "step_00000002" / "model").params)
+    assert max((at_two[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    # 2 -> 2: the sharded step 3 resumes on 2 ranks
+    shutil.copytree(run, tmp_path / "two_then_two")
+    _torchrun(attrs.evolve(two, out_dir=tmp_path / "two_then_two", steps=4), tmp_path / "four.json", "--resume")
+    # 2 -> 1 past a truncated shard file: verify names it, the loop falls back to step 2 and sets step 3 aside
+    shutil.copytree(run, tmp_path / "two_then_one")
+    bad = tmp_path / "two_then_one" / "checkpoints" / "step_00000003" / "shards" / "rank00001-of-00002.safetensors"
+    bad.write_bytes(bad.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="rank00001-of-00002.safetensors: truncated"):
+        verify_checkpoint(bad.parent.parent)
     loop.train(attrs.evolve(single, out_dir=tmp_path / "two_then_one", resume=True), tiny())
-    # one process saves at step 2, 2 FSDP ranks resume
-    loop.train(attrs.evolve(single, out_dir=tmp_path / "one", steps=2), tiny())
-    _torchrun(attrs.evolve(base, out_dir=tmp_path / "one", batch_size=2, fsdp=True), tmp_path / "one.json", "--resume")
-    for run in ("two_then_one", "one"):
-        losses = _losses(tmp_path / run)
-        assert len(losses) == 4 and losses == pytest.approx(ref, abs=1e-5), run
+    assert any(p.name.startswith("step_00000003.corrupt-") for p in bad.parent.parent.parent.iterdir())
+    for name in ("two_then_two", "two_then_one"):
+        losses = _losses(tmp_path / name)
+        assert len(losses) == 4 and losses == pytest.approx(ref, abs=1e-5), name
 
 
 def test_step_rejects_an_unknown_unit_and_a_gather_dtype_without_autocast():
