@@ -179,3 +179,27 @@ def sentencepiece_tokenizer(corpus, *, style: str, vocab_size: int):
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+
+
+def run_ranks(cmd: list[str], *, world: int = 2, timeout: float = 240) -> None:
+    """Run `cmd` as `world` gloo rank processes on 127.0.0.1 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set,
+    one thread each); kill them all past `timeout` seconds; assert every rank exited 0 (else show its output)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]

@@ -9,9 +9,6 @@ negative control: without `reduce_partial_grads` some gradients are wrong.
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from astrai.models.decoder import init_params
 from astrai.models.tp import check_tp, shard_params, tp_config, vocab_rows
 from astrai.nn.lora import LoRAConfig, apply_lora, init_lora
 from astrai.ops.collectives import TensorParallel
+from helpers import run_ranks
 
 _WORKER = Path(__file__).with_name("tp_worker.py")
 _spec = importlib.util.spec_from_file_location("tp_worker", _WORKER)
@@ -35,22 +33,7 @@ FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("tp")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}  # fmt: skip
-    cmd = [sys.executable, str(_WORKER), str(out), *FAMILIES]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    run_ranks([sys.executable, str(_WORKER), str(out), *FAMILIES], timeout=180)
     return {name: json.loads((out / f"{name}.json").read_text()) for name in FAMILIES}
 
 

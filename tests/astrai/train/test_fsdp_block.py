@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from astrai.train.metrics import read_metrics
 from astrai.train.schedule import ScheduleConfig
 from astrai.train.sharded_checkpoint import export_checkpoint
 from astrai.tree import named_tensors
+from helpers import run_ranks
 
 _WORKER = Path(__file__).with_name("fsdp_worker.py")
 _spec = importlib.util.spec_from_file_location("fsdp_worker", _WORKER)
@@ -46,22 +46,7 @@ TRAJECTORY = ("block", "accum", "lora", "muon", "ckpt", "noprefetch")
 def ranks(tmp_path_factory) -> dict[str, dict]:
     """Every variant trained on 2 gloo ranks (one pair of processes for all): name -> rank 0's results."""
     out = tmp_path_factory.mktemp("fsdp_block")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}  # fmt: skip
-    cmd = [sys.executable, str(_WORKER), str(out), *worker.VARIANTS]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    run_ranks([sys.executable, str(_WORKER), str(out), *worker.VARIANTS], timeout=240)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in worker.VARIANTS}
 
 
