@@ -195,6 +195,12 @@ def run_ranks(cmd: list[str], *, world: int = 2, timeout: float = 240) -> None:
            "MASTER_PORT": str(port)}  # fmt: skip
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]  # fmt: skip
+    wait_ranks(procs, timeout)
+
+
+def wait_ranks(procs: list, timeout: float) -> None:
+    """Wait for every process (killing them all past `timeout` seconds); assert each exited 0 (else show its
+    output)."""
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:

@@ -171,7 +171,8 @@ class TPRunner(ModelRunner):
             time.sleep(0.05)
 
     def set_model(self, model: Model) -> None:
-        raise NotImplementedError("tensor-parallel engines do not take new weights (RL rollouts run on one device)")
+        """Refused: every rank holds its own shard, so new weights would have to be re-sharded and sent to each."""
+        raise RuntimeError("a tensor-parallel engine does not take new weights: its ranks hold their own shards")
 
     def _watch(self) -> None:
         while not self._closing:

@@ -32,6 +32,7 @@ from astrai.train.muon import MuonConfig
 from astrai.train.optim import AdamWConfig, OptimConfig
 from astrai.train.tp import check_tp_run
 from astrai.tree import leaves, named_tensors
+from helpers import run_ranks, wait_ranks
 
 _WORKER = Path(__file__).with_name("tp_worker.py")
 _spec = importlib.util.spec_from_file_location("tp_worker", _WORKER)
@@ -48,25 +49,14 @@ def _port() -> int:
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    wait_ranks(procs, timeout)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[str, dict]:
     """Every variant trained on 4 gloo ranks (one set of processes for all): name -> rank 0's results."""
     out = tmp_path_factory.mktemp("tp_train")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_port())}  # fmt: skip
-    cmd = [sys.executable, str(_WORKER), str(out), *worker.VARIANTS]
-    _wait([subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for r in range(4)], timeout=240)  # fmt: skip
+    run_ranks([sys.executable, str(_WORKER), str(out), *worker.VARIANTS], world=4, timeout=240)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in worker.VARIANTS}
 
 
