@@ -34,6 +34,8 @@ class EvalConfig:
     """Parameter dtype; auto: the checkpoint's."""
     device: str = "auto"
     """Device: auto (CUDA when available, else CPU), cuda, cuda:N or cpu."""
+    quantize: Literal["int8"] | None = None
+    """int8: evaluate the int8 weight-only quantized model (`astrai.load(..., quantize="int8")`)."""
     batch_size: int = 8
     """Sequences per forward pass (scoring) or decoding at once (generation)."""
     limit: int | None = None
@@ -55,13 +57,16 @@ def check(cfg: EvalConfig) -> None:
 
 
 def load_model(cfg: EvalConfig, task: str) -> Model:
-    """Load `cfg.model` on `cfg.device` in `cfg.dtype`.
+    """Load `cfg.model` on `cfg.device` in `cfg.dtype` (quantized when `cfg.quantize` says so).
 
     Raises:
         ValueError: the model cannot be loaded (`CheckpointError`), or it has no tokenizer.
     """
     dtype = None if cfg.dtype == "auto" else cfg.dtype
-    model = load(cfg.model, dtype=dtype, device=resolve_device(cfg.device), revision=cfg.revision)
+    device = resolve_device(cfg.device)
+    model = load(cfg.model, dtype=dtype, device=device, revision=cfg.revision, quantize=cfg.quantize)
+    if model.quantization is not None:  # stderr: stdout keeps the table and the JSON summary
+        _console.print(f"weights: {model.quantization} weight-only, {model.nbytes / 2**20:.1f} MiB", highlight=False)
     return require_tokenizer(model, cfg.model, task)
 
 

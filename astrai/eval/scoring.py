@@ -29,9 +29,8 @@ import torch
 from torch import Tensor
 
 from astrai.io.model import Model
-from astrai.models.decoder import hidden_states, lm_head_weight
+from astrai.models.decoder import head_logits, hidden_states
 from astrai.nn.norm import rms_norm
-from astrai.ops.linear import linear as linear_op
 
 
 @attrs.frozen
@@ -150,8 +149,7 @@ def _score_batch(model: Model, batch: Sequence[Request], chunk_size: int) -> lis
 
 def _head(params, x: Tensor) -> Tensor:
     """[C, E] normed hidden rows -> [C, V] fp32 logits, as `astrai.models.decoder.forward` computes them."""
-    bias = None if params.lm_head is None else params.lm_head.bias
-    return linear_op(x, lm_head_weight(params), bias).float()
+    return head_logits(params, x)
 
 
 def _logprobs(x: Tensor, params, target: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:

@@ -17,9 +17,8 @@ import attrs
 import torch
 
 from astrai.io.model import Model
-from astrai.models.decoder import hidden_states, lm_head_weight
+from astrai.models.decoder import head_logits, hidden_states
 from astrai.nn.norm import rms_norm
-from astrai.ops.linear import linear as linear_op
 
 
 @attrs.frozen
@@ -68,12 +67,10 @@ def prompt_logprobs(model: Model, prompts: Sequence[Sequence[int]], *, top: int 
         tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
         h = hidden_states(params, cfg, tokens)[0, :-1]  # position t predicts token t + 1
         targets = tokens[0, 1:]
-        weight = lm_head_weight(params)
-        bias = None if params.lm_head is None else params.lm_head.bias
         lps, tops = [], []
         for start in range(0, h.shape[0], chunk_size):
             x = rms_norm(params.norm, h[start : start + chunk_size], eps=cfg.rms_norm_eps)
-            logp = torch.log_softmax(linear_op(x, weight, bias).float(), dim=-1)
+            logp = torch.log_softmax(head_logits(params, x), dim=-1)
             lps.append(logp.gather(1, targets[start : start + chunk_size, None])[:, 0].cpu())
             if top:
                 values, indices = logp.topk(top, dim=-1)

@@ -130,6 +130,11 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
         raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise UnsupportedModelError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported")
+    quant = d.get("quantization_config")
+    if quant:  # GPTQ/AWQ/fp8/bitsandbytes weights have other tensor names and layouts than a float checkpoint
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UnsupportedModelError(f"{source}: pre-quantized checkpoints (quantization_config: {method}) are "
+                                    "not supported: load a float one, with quantize='int8' to quantize it")  # fmt: skip
     try:
         rope = _rope_from_hf(d)
     except (cattrs.BaseValidationError, TypeError, ValueError) as err:

@@ -18,7 +18,8 @@ from astrai.io.hub import resolve_model
 from astrai.io.tokenizer import Tokenizer
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, check_params
-from astrai.tree import count, nbytes
+from astrai.models.quantize import check_quantize, is_quantized, quantize_params
+from astrai.tree import count, named_tensors, nbytes
 
 
 @attrs.frozen(eq=False)
@@ -47,13 +48,18 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the parameters."""
-        return self.params.embed_tokens.weight.dtype
+        """Dtype of the parameters (of activations and the KV cache; an int8-quantized model's weights are int8)."""
+        return self.params.norm.weight.dtype
+
+    @property
+    def quantization(self) -> str | None:
+        """`"int8"` when the weights are int8 weight-only quantized (`load(..., quantize="int8")`), else None."""
+        return "int8" if is_quantized(self.params) else None
 
     @property
     def num_parameters(self) -> int:
-        """Total parameter count (tied embeddings counted once)."""
-        return count(self.params)
+        """Total parameter count (tied embeddings counted once; quantization scales are not parameters)."""
+        return count(self.params) - sum(t.numel() for n, t in named_tensors(self.params).items() if _is_scale(n))
 
     @property
     def nbytes(self) -> int:
@@ -66,10 +72,14 @@ class Model:
         family = getattr(cfg, "model_type", None) or type(cfg).__name__
         size = _human(self.num_parameters, 1000, ["", "K", "M", "B"])
         memory = _human(self.nbytes, 1024, [" B", " KiB", " MiB", " GiB"])
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.") + (f", {self.quantization} weights" if self.quantization else "")
         tokenizer = "yes" if self.tokenizer is not None else "no"
         return (f"Model({family}, {cfg.num_hidden_layers} layers, {size} parameters, {dtype}, {self.device}, "
                 f"{memory}, tokenizer={tokenizer})")  # fmt: skip
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith("scale")
 
 
 def _human(n: int, base: int, units: list[str]) -> str:
@@ -134,7 +144,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device | str | No
 
 
 def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
-         revision: str | None = None) -> Model:  # fmt: skip
+         revision: str | None = None, quantize: str | None = None) -> Model:  # fmt: skip
     """Load a HF-format folder (config.json + safetensors [+ tokenizer files]), or a model id from the HF cache.
 
     Args:
@@ -143,13 +153,17 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
         dtype: parameter dtype (torch dtype or name such as "bfloat16"); default: the checkpoint's.
         device: where to put the parameters; default CPU; "auto": CUDA when available, else CPU.
         revision: branch, tag or commit of a model id (default `main`).
+        quantize: `"int8"`: int8 weight-only quantization of the projections, embedding and LM head, one scale
+            per output row (`astrai.models.quantize`); activations and the KV cache stay in `dtype`.
 
     Raises:
         CheckpointError: the folder is missing, unsupported, incomplete or corrupt (the message says which).
+        ValueError: an unknown `dtype` or `quantize` value.
     """
     from astrai.io.checkpoint import load_params
     from astrai.models.config import DTYPES
 
+    check_quantize(quantize)
     folder = resolve_model(path, revision)
     cfg = read_config(folder)
     defaults = read_generation_defaults(folder)
@@ -158,6 +172,8 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
     params = load_params(folder, cfg, dtype=dtype, device=resolve_device(device))
+    if quantize is not None:
+        params = quantize_params(params, quantize)
     if dtype is not None:
         cfg = attrs.evolve(cfg, dtype=next(name for name, d in DTYPES.items() if d == dtype))
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
@@ -170,7 +186,13 @@ def save(model: Model, out_dir: str | Path) -> Path:
 
     Returns:
         The absolute output path.
+
+    Raises:
+        ValueError: the model is int8-quantized (an inference-only form; save the float model instead).
     """
+    if model.quantization is not None:
+        raise ValueError(f"this model's weights are {model.quantization}-quantized, an inference-only form: save "
+                         "the model loaded without quantize (or dequantize_params of this one)")  # fmt: skip
     check_params(model.params, model.config)
 
     def write(tmp: Path) -> None:

@@ -305,6 +305,13 @@ def lm_head_weight(params: DecoderParams) -> Tensor:
     return params.embed_tokens.weight if params.lm_head is None else params.lm_head.weight
 
 
+def head_logits(params: DecoderParams, x: Tensor) -> Tensor:
+    """[..., E] final-normed hidden rows -> [..., V] fp32 logits (tied or not, int8 weight-only or not)."""
+    head = params.embed_tokens if params.lm_head is None else params.lm_head
+    bias = None if params.lm_head is None else params.lm_head.bias
+    return linear_op(x, head.weight, bias, head.scale).float()
+
+
 def forward(
     params: DecoderParams,
     cfg: ModelConfig,
@@ -336,8 +343,7 @@ def forward(
     if logits_positions is not None:
         x = x.reshape(-1, x.shape[-1])[logits_positions]  # [M, E]
     x = tp_copy(rms_norm(params.norm, x, eps=cfg.rms_norm_eps), tp)
-    bias = None if params.lm_head is None else params.lm_head.bias
-    logits = linear_op(x, lm_head_weight(params), bias).float()
+    logits = head_logits(params, x)
     if tp is not None and tp.size > 1:  # vocab-parallel head: gather the slices, drop the padding rows
         logits = tp_gather(logits, tp)[..., : cfg.vocab_size]
     return logits

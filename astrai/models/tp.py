@@ -31,13 +31,12 @@ from torch import Tensor
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import BlockParams, DecoderParams
 from astrai.nn.attention import AttentionParams
-from astrai.nn.embedding import EmbeddingParams
 from astrai.nn.linear import LinearParams, LoRALinearParams
 from astrai.nn.mla import MLAParams
 from astrai.nn.mlp import MLPParams
-from astrai.nn.moe import ExpertsParams, MoEParams
+from astrai.nn.moe import MoEParams
 from astrai.ops.collectives import TensorParallel, all_reduce_
-from astrai.tree import leaves
+from astrai.tree import leaves, tree_map
 
 __all__ = [
     "check_tp",
@@ -98,11 +97,13 @@ def _chunk(t: Tensor | None, dim: int, rank: int, size: int) -> Tensor | None:
 
 
 def _column(p: LinearParams, rank: int, size: int) -> LinearParams:
-    return LinearParams(weight=_chunk(p.weight, 0, rank, size), bias=_chunk(p.bias, 0, rank, size))
+    return LinearParams(weight=_chunk(p.weight, 0, rank, size), bias=_chunk(p.bias, 0, rank, size),
+                        scale=_chunk(p.scale, 0, rank, size))  # fmt: skip
 
 
 def _row(p: LinearParams, rank: int, size: int) -> LinearParams:
-    return LinearParams(weight=_chunk(p.weight, 1, rank, size), bias=p.bias if rank == 0 else None)
+    # an int8 weight's per-output-row scale applies to every rank's partial product: each rank keeps all of it
+    return LinearParams(weight=_chunk(p.weight, 1, rank, size), bias=p.bias if rank == 0 else None, scale=p.scale)
 
 
 def _kv_rows(p: LinearParams, cfg: ModelConfig, rank: int, size: int) -> LinearParams:
@@ -111,7 +112,8 @@ def _kv_rows(p: LinearParams, cfg: ModelConfig, rank: int, size: int) -> LinearP
         return _column(p, rank, size)
     head = rank * (cfg.num_attention_heads // size) // cfg.q_per_kv
     rows = slice(head * cfg.head_dim, (head + 1) * cfg.head_dim)
-    return LinearParams(weight=p.weight[rows].clone(), bias=None if p.bias is None else p.bias[rows].clone())
+    pick = lambda t: None if t is None else t[rows].clone()  # noqa: E731
+    return LinearParams(weight=pick(p.weight), bias=pick(p.bias), scale=pick(p.scale))
 
 
 def _vocab(t: Tensor | None, cfg: ModelConfig, rank: int, size: int) -> Tensor | None:
@@ -155,7 +157,7 @@ def _shard_ffn(p: MLPParams | MoEParams, rank: int, size: int) -> MLPParams | Mo
     e = p.experts
     return attrs.evolve(
         p,
-        experts=ExpertsParams(*(_chunk(t, 0, rank, size) for t in (e.gate_proj, e.up_proj, e.down_proj))),
+        experts=tree_map(lambda t: _chunk(t, 0, rank, size), e),  # experts (and their int8 scales) by rank
         shared_experts=None if p.shared_experts is None else _shard_mlp(p.shared_experts, rank, size),
     )
 
@@ -182,9 +184,9 @@ def shard_params(params: DecoderParams, cfg: ModelConfig, tp: TensorParallel) ->
     )
     head = params.lm_head
     if head is not None:
-        head = LinearParams(weight=_vocab(head.weight, cfg, rank, size), bias=_vocab(head.bias, cfg, rank, size))
+        head = tree_map(lambda t: _vocab(t, cfg, rank, size), head)  # weight, bias and int8 scale by vocab row
     return DecoderParams(
-        embed_tokens=EmbeddingParams(weight=_vocab(params.embed_tokens.weight, cfg, rank, size)),
+        embed_tokens=tree_map(lambda t: _vocab(t, cfg, rank, size), params.embed_tokens),
         blocks=blocks,
         norm=params.norm,
         lm_head=head,
@@ -256,7 +258,8 @@ def _gather_linear(p: LinearParams, dim: int, tp: TensorParallel) -> LinearParam
         bias = box[0]
     else:
         bias = None if p.bias is None else _gather(p.bias, 0, tp)
-    return LinearParams(weight=_gather(p.weight, dim, tp), bias=bias)
+    scale = p.scale if dim == 1 or p.scale is None else _gather(p.scale, 0, tp)
+    return LinearParams(weight=_gather(p.weight, dim, tp), bias=bias, scale=scale)
 
 
 def unshard_params(shard: DecoderParams, cfg: ModelConfig, tp: TensorParallel) -> DecoderParams:
@@ -274,7 +277,7 @@ def unshard_params(shard: DecoderParams, cfg: ModelConfig, tp: TensorParallel) -
         if kv_step == 1:
             return full
         pick = lambda t: None if t is None else torch.cat(t.chunk(size, 0)[::kv_step])  # noqa: E731
-        return LinearParams(weight=pick(full.weight), bias=pick(full.bias))
+        return LinearParams(weight=pick(full.weight), bias=pick(full.bias), scale=pick(full.scale))
 
     def mlp_full(p: MLPParams) -> MLPParams:
         return MLPParams(*(_gather_linear(x, d, tp) for x, d in ((p.gate_proj, 0), (p.up_proj, 0), (p.down_proj, 1))))
@@ -300,14 +303,12 @@ def unshard_params(shard: DecoderParams, cfg: ModelConfig, tp: TensorParallel) -
             e = ffn.experts
             ffn = attrs.evolve(
                 ffn,
-                experts=ExpertsParams(*(_gather(t, 0, tp) for t in (e.gate_proj, e.up_proj, e.down_proj))),
+                experts=tree_map(lambda t: _gather(t, 0, tp), e),
                 shared_experts=None if ffn.shared_experts is None else mlp_full(ffn.shared_experts),
             )
         blocks.append(BlockParams(attn_norm=b.attn_norm, attn=attn, mlp_norm=b.mlp_norm, mlp=ffn))
     head = shard.lm_head
     if head is not None:
-        head = LinearParams(
-            weight=_gather(head.weight, 0, tp)[:v], bias=None if head.bias is None else _gather(head.bias, 0, tp)[:v]
-        )
-    embed = EmbeddingParams(weight=_gather(shard.embed_tokens.weight, 0, tp)[:v])
+        head = tree_map(lambda t: _gather(t, 0, tp)[:v], head)
+    embed = tree_map(lambda t: _gather(t, 0, tp)[:v], shard.embed_tokens)
     return DecoderParams(embed_tokens=embed, blocks=tuple(blocks), norm=shard.norm, lm_head=head)

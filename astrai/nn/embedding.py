@@ -1,4 +1,8 @@
-"""Token embedding: `EmbeddingParams` (weight [V, E]) and `embed()`."""
+"""Token embedding: `EmbeddingParams` (weight [V, E]) and `embed()`.
+
+A quantized table (`astrai.models.quantize`) is int8 with a per-row `scale` [V]: each looked-up row is widened
+and scaled, and a tied LM head reads the same int8 table with the same scale (rows are its output channels).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from astrai.tree import pytree
 class EmbeddingParams:
     """A lookup table of token vectors."""
 
-    weight: Tensor  # [V, E]
+    weight: Tensor  # [V, E]; int8 when `scale` is set
+    scale: Tensor | None = None  # [V]: int8 weight-only quantization, row v is weight[v] * scale[v]
 
 
 def init_embedding(
@@ -39,9 +44,15 @@ def embed(p: EmbeddingParams, tokens: Tensor, tp: TensorParallel | None = None) 
     outside it look up zeros and the ranks' partial results are summed (vocab-parallel embedding).
     """
     if tp is None or tp.size == 1:
-        return F.embedding(tokens, p.weight)
+        return _lookup(p, tokens)
     rows = p.weight.shape[0]
     local = tokens - tp.rank * rows
     inside = (local >= 0) & (local < rows)
-    out = F.embedding(torch.where(inside, local, 0), p.weight) * inside.unsqueeze(-1).to(p.weight.dtype)
-    return tp_reduce(out, tp)
+    out = _lookup(p, torch.where(inside, local, 0))
+    return tp_reduce(out * inside.unsqueeze(-1).to(out.dtype), tp)
+
+
+def _lookup(p: EmbeddingParams, tokens: Tensor) -> Tensor:
+    if p.scale is None:
+        return F.embedding(tokens, p.weight)
+    return F.embedding(tokens, p.weight).to(p.scale.dtype) * F.embedding(tokens, p.scale.unsqueeze(-1))

@@ -2,7 +2,8 @@
 
 Weights keep the `nn.Linear` / HF layout [out, in] and are applied with `F.linear` (via `astrai.ops.linear`),
 so HF checkpoints load without a transpose (zero-copy from mmap) and both CPU and CUDA GEMMs run their tuned
-transposed-B path.
+transposed-B path. A weight-only quantized projection (`astrai.models.quantize`) holds an int8 weight and its
+per-output-row `scale`; `linear()` hands both to the op.
 
 `LoRALinearParams` (a LinearParams plus low-rank adapters, see `astrai.nn.lora`) is defined here rather than
 in `lora.py` because `linear()` dispatches on it and `lora.py` builds on this module: keeping the class here
@@ -24,8 +25,9 @@ from astrai.tree import pytree, static
 class LinearParams:
     """A dense projection from `in` to `out` features."""
 
-    weight: Tensor  # [out, in]
+    weight: Tensor  # [out, in]; int8 when `scale` is set
     bias: Tensor | None = None  # [out]
+    scale: Tensor | None = None  # [out]: int8 weight-only quantization, weight * scale[:, None] is the real one
 
 
 @pytree
@@ -55,7 +57,7 @@ def init_linear(
 
 def linear(p: LinearParams, x: Tensor) -> Tensor:
     """x: [..., in] -> [..., out]; a `LoRALinearParams` adds its low-rank update."""
-    out = linear_op(x, p.weight, p.bias)
+    out = linear_op(x, p.weight, p.bias, p.scale)
     if isinstance(p, LoRALinearParams):
         # two thin products through the rank-r bottleneck; B @ A [out, in] is never materialised
         out = out + linear_op(linear_op(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)) * p.scaling

@@ -153,8 +153,7 @@ def targeted_linears(params: Any, cfg: LoRAConfig) -> list[tuple[str, LinearPara
     """
     found = _linears(params)
     for path, lin in found:
-        if isinstance(lin, LoRALinearParams):
-            raise ValueError(f"{path} already carries a LoRA adapter: pass the base tree, not an applied one")
+        _check_base(path, lin)
     chosen = [(path, lin) for path, lin in found if path.rpartition(".")[2] in cfg.target_names]
     if not chosen:
         present = sorted({path.rpartition(".")[2] for path, _ in found} & set(TARGETABLE))
@@ -163,6 +162,14 @@ def targeted_linears(params: Any, cfg: LoRAConfig) -> list[tuple[str, LinearPara
             f"available: {', '.join(present) or 'none'} (or {ALL_LINEAR!r})"
         )
     return chosen
+
+
+def _check_base(path: str, lin: LinearParams) -> None:
+    if isinstance(lin, LoRALinearParams):
+        raise ValueError(f"{path} already carries a LoRA adapter: pass the base tree, not an applied one")
+    if lin.scale is not None:
+        raise ValueError(f"{path} is int8-quantized: LoRA over quantized weights (QLoRA) is not supported; "
+                         "load the model without quantize")  # fmt: skip
 
 
 def _check_adapter(path: str, lin: LinearParams, ad: LoRAAdapter) -> None:
@@ -204,7 +211,8 @@ def init_lora(params: Any, cfg: LoRAConfig, *, seed: int = 0, dtype: torch.dtype
 def _lora_linear(lin: LinearParams, ad: LoRAAdapter) -> LoRALinearParams:
     # object.__new__ + object.__setattr__ rather than the attrs __init__, which Dynamo cannot run (DESIGN F2)
     out = object.__new__(LoRALinearParams)
-    values = dict(weight=lin.weight, bias=lin.bias, lora_a=ad.lora_a, lora_b=ad.lora_b, scaling=ad.scaling)
+    values = dict(weight=lin.weight, bias=lin.bias, scale=lin.scale, lora_a=ad.lora_a, lora_b=ad.lora_b,
+                  scaling=ad.scaling)  # fmt: skip
     for name, value in values.items():
         object.__setattr__(out, name, value)
     return out
@@ -218,8 +226,7 @@ def _with_adapters(params: T, lora: LoRAParams, fn: Callable[[str, LinearParams,
         ad = lora.get(path)
         if ad is None:
             return lin
-        if isinstance(lin, LoRALinearParams):
-            raise ValueError(f"{path} already carries a LoRA adapter: pass the base tree, not an applied one")
+        _check_base(path, lin)
         _check_adapter(path, lin, ad)
         seen.add(path)
         return fn(path, lin, ad)

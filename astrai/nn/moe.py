@@ -32,6 +32,7 @@ from torch import Tensor
 from astrai.nn.linear import LinearParams, init_linear, linear
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
 from astrai.ops.collectives import TensorParallel
+from astrai.ops.linear import linear as linear_op
 from astrai.tree import pytree, tree_map
 
 
@@ -109,9 +110,13 @@ def check_moe_config(cfg: MoEConfig) -> None:
 class ExpertsParams:
     """Routed SwiGLU experts stacked on a leading expert axis (so dispatch is one gather and E segments)."""
 
-    gate_proj: Tensor  # [E, F, D]
+    gate_proj: Tensor  # [E, F, D]; int8 when the scales are set
     up_proj: Tensor  # [E, F, D]
     down_proj: Tensor  # [E, D, F]
+    # int8 weight-only quantization (`astrai.models.quantize`): per-expert, per-output-row scales
+    gate_scale: Tensor | None = None  # [E, F]
+    up_scale: Tensor | None = None  # [E, F]
+    down_scale: Tensor | None = None  # [E, D]
 
 
 @pytree
@@ -236,12 +241,20 @@ def _dispatch(idx: Tensor, num_experts: int) -> tuple[Tensor, list[int]]:
 
 
 def grouped_experts(
-    x: Tensor, idx: Tensor, weights: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor
+    x: Tensor,
+    idx: Tensor,
+    weights: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    scales: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """sum_j weights[:, j] * expert_{idx[:, j]}(x) for x [N, D]: sort pairs by expert, one GEMM pair per expert.
 
     An id equal to the number of experts (`gate_proj.shape[0]`) marks a pair this rank does not own (expert
     parallel: the expert lives on another rank); such pairs contribute nothing here.
+
+    `scales` (gate, up, down), when given, are the per-row scales of int8 expert weights (`astrai.ops.quant`).
 
     Eager only (segment sizes go to the host); `experts()` picks the compile-safe custom op when tracing.
     """
@@ -253,8 +266,9 @@ def grouped_experts(
     for e, seg in enumerate(torch.split(xs, sizes)):
         if seg.shape[0] == 0:
             continue
-        h = F.silu(F.linear(seg, gate_proj[e])) * F.linear(seg, up_proj[e])
-        outs.append(F.linear(h, down_proj[e]))
+        gs, us, ds = (None, None, None) if scales is None else (s[e] for s in scales)
+        h = F.silu(linear_op(seg, gate_proj[e], None, gs)) * linear_op(seg, up_proj[e], None, us)
+        outs.append(linear_op(h, down_proj[e], None, ds))
     if not outs:
         return torch.zeros_like(x)
     ys = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
@@ -335,9 +349,35 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 _experts_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("astrai::moe_experts_int8", mutates_args=())
+def _int8_experts_op(
+    x: Tensor,
+    idx: Tensor,
+    weights: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    gate_scale: Tensor,
+    up_scale: Tensor,
+    down_scale: Tensor,
+) -> Tensor:
+    """`grouped_experts` over int8 expert weights (inference only: quantized trees are not trained)."""
+    return grouped_experts(x, idx, weights, gate_proj, up_proj, down_proj, (gate_scale, up_scale, down_scale))
+
+
+@_int8_experts_op.register_fake
+def _(x: Tensor, idx: Tensor, weights: Tensor, *rest: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
 def experts(p: ExpertsParams, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
     """Routed expert output [N, D]: plain autograd eagerly, the `astrai::moe_experts` op under torch.compile."""
     weights = weights.to(x.dtype)
+    if p.gate_scale is not None:
+        stacks = (p.gate_proj, p.up_proj, p.down_proj, p.gate_scale, p.up_scale, p.down_scale)
+        if torch.compiler.is_compiling():
+            return _int8_experts_op(x, idx, weights, *stacks)
+        return grouped_experts(x, idx, weights, *stacks[:3], stacks[3:])
     if torch.compiler.is_compiling():
         return _experts_op(x, idx, weights, p.gate_proj, p.up_proj, p.down_proj)
     return grouped_experts(x, idx, weights, p.gate_proj, p.up_proj, p.down_proj)

@@ -87,12 +87,15 @@ def test_aliases_and_model_flag_parse_like_the_primary_spelling(monkeypatch):
 def test_model_id_revision_and_dtype_reach_load_unchanged(monkeypatch):
     import astrai.io.model as model_mod
 
-    calls = []
-    monkeypatch.setattr(model_mod, "load", lambda path, **kw: calls.append((path, kw)) or "model")
+    calls, loaded = [], types.SimpleNamespace(quantization=None)
+    monkeypatch.setattr(model_mod, "load", lambda path, **kw: calls.append((path, kw)) or loaded)
     args = parse(GenerateConfig, ["Qwen/Qwen3-0.6B", "--revision", "abc", "--dtype", "half", "--prompt", "x",
                                   "--device", "cpu"])  # fmt: skip
-    assert load_model(args) == "model"
-    assert calls == [("Qwen/Qwen3-0.6B", {"dtype": "float16", "device": "cpu", "revision": "abc"})]
+    assert load_model(args) is loaded
+    assert calls == [("Qwen/Qwen3-0.6B", {"dtype": "float16", "device": "cpu", "revision": "abc", "quantize": None})]
+    for flag in ("--quantize", "--quantization", "-q"):  # ours, and vLLM's spellings
+        load_model(parse(GenerateConfig, ["m", "--prompt", "x", "--device", "cpu", flag, "int8"]))
+        assert calls[-1][1]["quantize"] == "int8"
 
 
 def test_chat_template_file_or_inline_replaces_the_tokenizers(model_dir, tmp_path, capsys):

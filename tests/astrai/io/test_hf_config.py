@@ -64,6 +64,7 @@ def test_family_quirks():
         ({"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}}, "'longrope'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "wobble": 1}}, "wobble"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantization_config: gptq.*quantize='int8'"),
     ],
 )
 def test_unsupported_settings_are_named(edit, message):

@@ -49,6 +49,15 @@ def test_two_ranks_equal_one_process(results, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_int8_shards_equal_the_int8_model(results, family):
+    r = results[family]
+    assert r["int8_dense_max_diff"] <= 1e-5 * max(1.0, r["logits_scale"])
+    assert r["int8_paged_max_diff"] <= 1e-5 * max(1.0, r["logits_scale"])
+    assert r["int8_unshard_exact"]
+    assert r["int8_vs_float_max_diff"] > 1e-4  # negative control: the quantized model is not the float one
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_partial_gradients_need_the_reduction(results, family):
     assert results[family]["unreduced_max_diff"] > 1e-4
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from astrai.inference.cache import init_kv_cache, make_attn_meta
 from astrai.models.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from astrai.models.decoder import forward, init_params
+from astrai.models.quantize import quantize_params
 from astrai.models.tp import reduce_partial_grads, region_replicated, shard_params, tp_config, unshard_params
 from astrai.ops.collectives import TensorParallel
 from astrai.tree import leaves, named_tensors, tree_map
@@ -146,6 +147,20 @@ def check(name: str, cfg: ModelConfig, tp: TensorParallel) -> dict:
     out["unshard_max_diff"] = max((back[n] - ref_named[n]).abs().max().item() for n in ref_named)
     out["shard_numel"] = sum(t.numel() for t in leaves(shard))
     out["full_numel"] = sum(t.numel() for t in leaves(full))
+
+    # int8 weight-only: the shards of the quantized tree (weights and their scales split alike) run the same
+    # logits as the quantized model in one process, and unshard back to it bit for bit
+    qfull = quantize_params(full)
+    qshard = shard_params(qfull, cfg, tp)
+    out["int8_dense_max_diff"] = (
+        (forward(qfull, cfg, tokens) - forward(qshard, local_cfg, tokens, tp=tp)).abs().max().item()
+    )
+    out["int8_paged_max_diff"] = (
+        (_paged_logits(qfull, cfg, None, prompts, nxt) - _paged_logits(qshard, local_cfg, tp, prompts, nxt)).abs().max()
+    ).item()
+    qback, qref = named_tensors(unshard_params(qshard, cfg, tp)), named_tensors(qfull)
+    out["int8_unshard_exact"] = sorted(qback) == sorted(qref) and all(torch.equal(qback[n], qref[n]) for n in qref)
+    out["int8_vs_float_max_diff"] = (forward(qfull, cfg, tokens) - ref).abs().max().item()
     return out
 
 

@@ -1,0 +1,142 @@
+"""int8 weight-only models: `quantize_params`, `astrai.load(..., quantize="int8")`, the CLIs' `--quantize`.
+
+Two references. A model whose weights are already on the int8 grid (integer rows times a per-row scale:
+`dequantize_params(quantize_params(p))`) quantizes exactly, so its quantized logits equal the float model's
+to rounding and greedy text is identical, through `forward`, the compiled step and the engine. On plain random
+weights the quantized logits stay within a stated tolerance of fp32, and differ from them (negative control).
+Tensor-parallel shards of a quantized tree: tests/astrai/models/test_tp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import astrai
+from astrai.cli.main import main
+from astrai.io.model import Model, load, save
+from astrai.models.decoder import forward, init_params
+from astrai.models.quantize import dequantize_params, is_quantized, quantize_params
+from astrai.nn.lora import LoRAConfig, apply_lora, init_lora
+from astrai.tree import named_tensors, nbytes
+from helpers import tiny_model_dir
+from tests.astrai.models.tp_worker import configs
+
+FAMILIES = ["llama", "qwen3_moe", "qwen2_moe", "deepseek_v3"]  # tied head + biases, MoE, shared expert, MLA
+
+
+def on_grid(cfg, seed=0):
+    """Float params every quantizable weight of which is exactly representable in int8 with a per-row scale."""
+    return dequantize_params(quantize_params(init_params(cfg, seed=seed)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_grid_weights_give_the_float_logits(family):
+    cfg = configs()[family]
+    exact = on_grid(cfg)
+    q = quantize_params(exact)
+    assert torch.equal(dequantize_params(q).blocks[0].attn.o_proj.weight, exact.blocks[0].attn.o_proj.weight)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10))
+    ref = forward(exact, cfg, tokens)
+    assert (forward(q, cfg, tokens) - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_weights_stay_within_tolerance_and_differ(family):
+    cfg = configs()[family]
+    params = init_params(cfg, seed=1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10))
+    ref, got = forward(params, cfg, tokens), forward(quantize_params(params), cfg, tokens)
+    diff, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    # stated tolerance: 3% of the largest logit (measured 0.5-2.2% on these tiny random models)
+    assert diff <= 0.03 * scale
+    assert diff > 1e-4  # negative control: the weights really were rounded
+
+
+def test_compiled_decode_step_equals_eager():
+    cfg = configs()["qwen3_moe"]
+    q = quantize_params(init_params(cfg, seed=2))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 1))  # 2 rows: the compiled few-row CPU loop over int8
+    compiled = torch.compile(lambda p, t: forward(p, cfg, t), fullgraph=False, dynamic=False)
+    eager = forward(q, cfg, tokens)
+    assert (compiled(q, tokens) - eager).abs().max() <= 1e-5 * max(1.0, eager.abs().max().item())
+
+
+def test_what_is_quantized_and_what_is_kept():
+    cfg = configs()["deepseek_v3"]
+    params = init_params(cfg)
+    q = quantize_params(params)
+    names = named_tensors(q)
+    int8 = {n for n, t in names.items() if t.dtype == torch.int8}
+    assert "embed_tokens.weight" in int8 and "blocks.0.attn.o_proj.weight" in int8
+    assert "blocks.1.mlp.experts.gate_proj.weight" not in names and "blocks.1.mlp.experts.gate_proj" in int8
+    kept = ["blocks.1.mlp.gate.weight", "blocks.0.attn.kv_b_proj.weight", "norm.weight", "blocks.0.attn_norm.weight"]
+    assert not int8 & set(kept) and all(n in names for n in kept)
+    assert nbytes(q) < 0.35 * nbytes(params)
+    no_embed = quantize_params(params, embeddings=False)
+    assert no_embed.embed_tokens.weight.dtype == torch.float32 and is_quantized(no_embed)
+    untied = init_params(configs()["qwen3"])
+    assert quantize_params(untied, embeddings=False).lm_head.scale is None
+    assert quantize_params(untied).lm_head.weight.dtype == torch.int8
+
+
+def test_refusals():
+    cfg = configs()["qwen3"]
+    params = init_params(cfg)
+    q = quantize_params(params)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_params(q)
+    with pytest.raises(ValueError, match="one of"):
+        quantize_params(params, "int4")
+    lora = LoRAConfig(r=2, alpha=4)
+    with pytest.raises(ValueError, match="merge them"):
+        quantize_params(apply_lora(params, init_lora(params, lora)))
+    with pytest.raises(ValueError, match="QLoRA"):
+        init_lora(q, lora)
+    model = Model(config=cfg, params=q)
+    with pytest.raises(ValueError, match="int8-quantized"):
+        save(model, "/nonexistent/never/written")
+
+
+@pytest.fixture(scope="module")
+def on_grid_dir(tmp_path_factory):
+    """A tiny model folder (with tokenizer) whose weights sit on the int8 grid."""
+    folder = tiny_model_dir(tmp_path_factory.mktemp("q") / "src")
+    model = load(folder)
+    exact = Model(config=model.config, params=dequantize_params(quantize_params(model.params)),
+                  tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids)  # fmt: skip
+    return str(save(exact, tmp_path_factory.mktemp("q") / "grid"))
+
+
+def test_load_quantized_generates_the_same_greedy_text(on_grid_dir):
+    full, q = load(on_grid_dir), load(on_grid_dir, quantize="int8")
+    assert q.quantization == "int8" and full.quantization is None
+    assert q.dtype == torch.float32 and q.num_parameters == full.num_parameters
+    assert "int8 weights" in repr(q) and q.nbytes < 0.35 * full.nbytes
+    prompts = ["hello world", "the quick brown fox"]
+    kw = dict(max_tokens=12, temperature=0.0, stop_token_ids=[])
+    texts_q = astrai.generate(q, prompts, **kw)
+    assert texts_q == astrai.generate(full, prompts, **kw)
+    assert len(set(texts_q)) == 2 and all(texts_q)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        load(on_grid_dir, quantize="fp4")
+
+
+def test_cli_flags(on_grid_dir, capsys, tmp_path):
+    main(["generate", on_grid_dir, "--prompt", "hello world", "--max-tokens", "6", "--quantize", "int8"])
+    quantized = capsys.readouterr().out
+    assert "weights: int8 weight-only" in quantized
+    main(["generate", on_grid_dir, "--prompt", "hello world", "--max-tokens", "6"])
+    plain = capsys.readouterr().out
+    assert "int8" not in plain and plain.splitlines()[-1] == quantized.splitlines()[-1]
+    main(["generate", on_grid_dir, "--prompt", "hello world", "--max-tokens", "6", "--quantization", "int8"])
+    assert capsys.readouterr().out == quantized  # vLLM's spelling
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"text": "the quick brown fox jumps over the lazy dog"}\n')
+    main(["eval", "ppl", on_grid_dir, "--data", str(data), "--quantize", "int8"])
+    ppl_q, err = capsys.readouterr()
+    assert "weights: int8 weight-only" in err
+    main(["eval", "ppl", on_grid_dir, "--data", str(data)])
+    assert "ppl" in ppl_q and capsys.readouterr().out.splitlines()[-1] == ppl_q.splitlines()[-1]
+    with pytest.raises(SystemExit):
+        main(["generate", on_grid_dir, "--prompt", "hi", "--quantize", "int4"])
