@@ -100,6 +100,9 @@ class ServeConfig(ModelArgs):
     tool_call_parser: ToolCallParserName | None = None
     """Format of the model's tool calls (vLLM's names). Default: detected from the chat template ([TOOL_CALLS]:
     mistral, <function=: qwen3_coder, <|python_tag|>: llama3_json, tool▁calls▁begin: deepseek_v3, else hermes)."""
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    """Split <think>...</think> off the answer: OpenAI `reasoning_content` (streamed as deltas), Anthropic `thinking`
+    blocks (vLLM's names). Default: none, the text stays as the model wrote it."""
     embeddings: bool = False
     """Also serve POST /v1/embeddings: the model's blocks run bidirectionally, pooled per input."""
     embed_pooling: Literal["mean", "cls", "last"] = "mean"
@@ -184,7 +187,7 @@ def main(cfg: ServeConfig) -> None:
                     tokenizer_workers=cfg.tokenizer_workers,
                     allow_special_tokens_in_content=cfg.allow_special_tokens_in_content,
                     log_requests=cfg.enable_log_requests, sampling_defaults=defaults,
-                    tool_call_parser=cfg.tool_call_parser)  # fmt: skip
+                    tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

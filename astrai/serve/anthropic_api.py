@@ -4,25 +4,27 @@ Request validation, the prompt and the sampling settings (with the server's samp
 are `anthropic_protocol`'s. The prompt is rendered and
 tokenized on the server's worker pool (`ServerState.offload`), so a huge prompt does not stall other streams.
 
-Response: `{"id": "msg_<24 hex>", "type": "message", "role": "assistant", "model", "content": [text block
-(omitted when blank and tool calls follow), tool_use blocks {"id": "toolu_<24 hex>", "name", "input"}],
-"stop_reason": "end_turn" | "max_tokens" | "stop_sequence" | "tool_use", "stop_sequence", "usage":
-{"input_tokens", "output_tokens"}}` (token counts; output includes the eos token). With `stream`: SSE events,
-each `event: <type>` + `data: <json>` + a blank line: message_start, then per block content_block_start /
-content_block_delta (`text_delta`, or `input_json_delta` whose `partial_json` fragments concatenate to the
-input's JSON) / content_block_stop, then message_delta (stop_reason, stop_sequence, usage.output_tokens) and
-message_stop; no `[DONE]`. An engine failure mid-stream is an `error` event. The non-streaming body is
-assembled from the very same events, so both modes always agree.
+Response: `{"id": "msg_<24 hex>", "type": "message", "role": "assistant", "model", "content": [a `thinking` block
+{"thinking", "signature": ""} when the server has a reasoning parser and the model reasoned, text block (omitted
+when blank and tool calls follow), tool_use blocks {"id": "toolu_<24 hex>", "name", "input"}], "stop_reason":
+"end_turn" | "max_tokens" | "stop_sequence" | "tool_use", "stop_sequence", "usage": {"input_tokens",
+"output_tokens"}}` (token counts; output includes the eos token). With `stream`: SSE events, each `event: <type>` +
+`data: <json>` + a blank line: message_start, then per block content_block_start / content_block_delta
+(`thinking_delta`, `text_delta`, or `input_json_delta` whose `partial_json` fragments concatenate to the input's
+JSON) / content_block_stop, then message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop;
+no `[DONE]`. An engine failure mid-stream is an `error` event. The non-streaming body is assembled from the very
+same events, so both modes always agree.
 
 Which stop sequence fired: the request runs with `include_stop_str_in_output=True` and the reply strips the
 stop itself. The engine emits text that might begin a stop string only once it is decided, so the matched stop
 arrives whole at the end of the final delta; the stop that ended generation is the longest stop sequence the
 text ends with (the engine picks the occurrence ending first, ties to the longest).
 
-Errors: bad input 400, bad key 401, body too large 413, queue full 529 (overloaded_error), client gone 499;
-a client disconnect aborts the request and frees its KV. Not supported: images, documents, citations, thinking,
-server tools, prompt caching fields (cache_control is accepted and ignored). With `ServerState.log_requests` each
-request's id, route, messages (truncated) and sampling params are logged at INFO; otherwise no prompt text.
+Errors: bad input 400, bad key 401, body too large 413, queue full 529 (overloaded_error), client gone 499; a client
+disconnect aborts the request and frees its KV. Not supported: images, documents, citations, thinking signatures
+(always ""), server tools, prompt caching fields (cache_control is accepted and ignored). With
+`ServerState.log_requests` each request's id, route, messages (truncated) and sampling params are logged at INFO;
+otherwise no prompt text.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from astrai.serve.common import (
     stream_response,
     submit,
 )
+from astrai.serve.reasoning import ReasoningParser, new_parsers, sort_events
 from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from astrai.serve.tool_parsers import new_parser, tool_schemas
@@ -65,7 +68,14 @@ class BlockWriter:
     def __init__(self, single_call: bool = False) -> None:
         self.single_call, self.calls, self.index = single_call, 0, -1
         self.open: str | None = None  # type of the open block
+        self.answered = False  # a text or tool_use block was opened (a thinking block does not count)
         self._blank, self._skip = "", set()
+
+    def think(self, text: str) -> list[dict[str, Any]]:
+        """Events for reasoning text: a `thinking` block (opened at the first fragment) and its `thinking_delta`."""
+        out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+        delta = {"type": "thinking_delta", "thinking": text}
+        return out + [{"type": "content_block_delta", "index": self.index, "delta": delta}]
 
     def push(self, event: TextDelta | ToolCallStart | ToolCallArgs | ToolCallEnd) -> list[dict[str, Any]]:
         """Events for one parser event."""
@@ -86,10 +96,10 @@ class BlockWriter:
         return self._close()
 
     def finish(self) -> list[dict[str, Any]]:
-        """Close the last block (an all-blank or empty reply still gets its text block)."""
-        out = self._start({"type": "text", "text": ""}) if self.index < 0 else []
-        if self._blank and not self.calls:
-            out += self._delta(self._blank)
+        """Close the last block (an all-blank or empty answer still gets its text block)."""
+        out = []
+        if not self.answered:
+            out = self._start({"type": "text", "text": ""}) + (self._delta(self._blank) if self._blank else [])
         self._blank = ""
         return out + self._close()
 
@@ -105,6 +115,7 @@ class BlockWriter:
     def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         out = self._close()
         self.index, self.open = self.index + 1, block["type"]
+        self.answered = self.answered or block["type"] != "thinking"
         return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
 
     def _delta(self, text: str) -> list[dict[str, Any]]:
@@ -124,6 +135,8 @@ def assemble(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             blocks.append(dict(ev["content_block"]))
         elif ev["type"] == "content_block_delta" and ev["delta"]["type"] == "text_delta":
             blocks[ev["index"]]["text"] += ev["delta"]["text"]
+        elif ev["type"] == "content_block_delta" and ev["delta"]["type"] == "thinking_delta":
+            blocks[ev["index"]]["thinking"] += ev["delta"]["thinking"]
         elif ev["type"] == "content_block_delta":
             partial[ev["index"]] = partial.get(ev["index"], "") + ev["delta"]["partial_json"]
     for index, text in partial.items():
@@ -134,8 +147,9 @@ def assemble(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 class Generation:
     """One request's deltas -> content-block events, plus the stop reason and token usage."""
 
-    def __init__(self, req: MessagesRequest, parser: str = "hermes") -> None:
-        """`parser`: the server's tool-call format (a forced call is grammar-constrained Hermes markup)."""
+    def __init__(self, req: MessagesRequest, parser: str = "hermes", thinker: ReasoningParser | None = None) -> None:
+        """`parser`: the server's tool-call format (a forced call is grammar-constrained Hermes markup); `thinker`:
+        the request's reasoning parser (its reasoning becomes a `thinking` block), None: no split."""
         self.stops, self.text, self.output_tokens = req.stop, "", 0
         self.finish: str | None = None
         self.matched: str | None = None
@@ -143,6 +157,7 @@ class Generation:
         forced = self.forced = req.forced is not None
         self.parser = new_parser(parser, names, tool_schemas(req.tools), forced=forced) if names else None
         self.writer = BlockWriter(req.single_call)
+        self.thinker = thinker
 
     def feed(self, delta: Delta) -> list[dict[str, Any]]:
         """Events for one engine delta (the final one also closes the blocks)."""
@@ -154,11 +169,16 @@ class Generation:
             hits = [s for s in self.stops if self.text.endswith(s)]
             self.matched = max(hits, key=len) if hits else None
             text = text[: len(text) - len(self.matched)] if self.matched else text
+        reasoning = ""
+        if self.thinker is not None:
+            ended = self.thinker.finish() if delta.finish_reason is not None else []
+            reasoning, text = sort_events(self.thinker.feed(text) + ended)
         parsed = (self.parser.feed(text) if self.parser else [TextDelta(text)]) if text else []
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason
             parsed += self.parser.finish() if self.parser else []
-        events = [ev for p in parsed for ev in self.writer.push(p)]
+        events = self.writer.think(reasoning) if reasoning else []
+        events += [ev for p in parsed for ev in self.writer.push(p)]
         return events + (self.writer.finish() if delta.finish_reason is not None else [])
 
     @property
@@ -198,6 +218,9 @@ def routes(state: ServerState) -> list[Route]:
 
     async def messages(request: Request) -> Response:
         req = parse_request(await json_body(request))
+        if req.thinking and state.reasoning_parser is None:
+            raise APIError(400, "thinking: this server splits no reasoning off the output; start it with "
+                                "--reasoning-parser (qwen3 or deepseek_r1) to return thinking blocks")  # fmt: skip
         ids = await prompt_ids(req)
         params = sampling_params(req, state.sampling_defaults, state.tokenizer)
         if params.grammar is not None:  # compiled off the event loop; a tool schema it cannot take is a 400
@@ -209,7 +232,8 @@ def routes(state: ServerState) -> list[Route]:
         if state.log_requests:
             log_request(head["id"], request.url.path, list(req.messages), params)
         handle = submit(state.engine, ids, params, busy_status=529)
-        gen = Generation(req, state.tool_parser)
+        thinkers = new_parsers(state.reasoning_parser, state.tokenizer, ids, constrained=params.grammar is not None)
+        gen = Generation(req, state.tool_parser, thinkers[0] if thinkers else None)
         source = state.metrics.observe(deltas(request, handle), len(ids))
         if req.stream:
             usage = {"input_tokens": len(ids), "output_tokens": 0}

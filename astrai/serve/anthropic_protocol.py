@@ -5,15 +5,19 @@ Request (JSON; validated like the real API, every error a 400 in Anthropic's sha
   (required, non-empty, the first one from `user`): `role` user | assistant, `content` a string or blocks:
   `text` {text}; `tool_use` {id, name, input: object} (assistant only); `tool_result` {tool_use_id, content:
   string or text blocks, is_error} (user only, answering every `tool_use` of the assistant message just
-  before it). Other block types (image, document, thinking, ...) are rejected naming the type.
+  before it); `thinking` {thinking, signature} (assistant only: reaches the template as the message's
+  `reasoning_content`) and `redacted_thinking` {data} (assistant only, dropped). Other block types (image,
+  document, ...) are rejected naming the type.
   A final `assistant` message of text is a pre-fill: generation continues from it (not repeated in the reply).
 - `system` (string or text blocks), `tools` ([{name: ^[a-zA-Z0-9_-]{1,64}$, description, input_schema: an
   object schema}]; server tools are rejected), `tool_choice` ({"type": "auto" | "any" | "none" | "tool" +
   "name"}, `disable_parallel_tool_use` keeps only the first call), `stop_sequences`, `temperature` [0, 1]
-  (default 1; 0 = greedy), `top_p` (0, 1], `top_k` (>= 0; 0 = off), `stream`, `thinking` only as
-  {"type": "disabled"}. Deliberate no-ops: `metadata`, `service_tier`, `cache_control` (accepted, ignored).
-  Any other field is a 400 naming it (and listing the accepted ones). The `anthropic-version` header is
-  accepted and ignored; `x-api-key` is checked by the app's Guard (401).
+  (default 1; 0 = greedy), `top_p` (0, 1], `top_k` (>= 0; 0 = off), `stream`, `thinking` ({"type": "enabled",
+  "budget_tokens": 1024 <= n < max_tokens} or {"type": "disabled"}: the chat template's `enable_thinking`; the
+  budget is not enforced; enabled needs a server with a reasoning parser, `anthropic_api`). Deliberate no-ops:
+  `metadata`, `service_tier`, `cache_control` (accepted, ignored). Any other field is a 400 naming it (and
+  listing the accepted ones). The `anthropic-version` header is accepted and ignored; `x-api-key` is checked by
+  the app's Guard (401).
 - Server sampling defaults (`ServerState.sampling_defaults`, e.g. generation_config.json) fill `temperature`,
   `top_p` and `top_k` when the request leaves them unset, and always set `min_p` and `repetition_penalty` (no
   Anthropic field); `max_tokens` is required here, so its default never applies.
@@ -67,6 +71,8 @@ class MessagesRequest:
         seed: per-request sampling seed (an astrai extension, as on the OpenAI routes; pass it in `extra_body`);
             None: the engine's own generator.
         stream: answer with server-sent events.
+        thinking: `thinking` {"type": "enabled"} (True) or "disabled" (False), passed to the chat template as
+            `enable_thinking`; None: absent (the template's default).
     """
 
     max_tokens: int
@@ -81,6 +87,7 @@ class MessagesRequest:
     top_k: int | None = None
     seed: int | None = None
     stream: bool = False
+    thinking: bool | None = None
 
     @property
     def tool_names(self) -> tuple[str, ...]:
@@ -107,6 +114,9 @@ def _req(obj: dict, key: str, kind: str, where: str = "") -> Any:
     return _check(obj[key], kind, path)
 
 
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
 def _opt(obj: dict, key: str, kind: str, default: Any = None, where: str = "") -> Any:
     return default if obj.get(key) is None else _req(obj, key, kind, where)
 
@@ -128,13 +138,19 @@ def _blocks(content: Any, path: str, allowed: Sequence[str]) -> list[dict[str, A
     for i, block in enumerate(content):
         where = f"{path}.{i}"
         kind = _check(block, "object", where).get("type")
-        if kind not in ("text", "tool_use", "tool_result"):
+        if kind not in _BLOCK_TYPES:
             raise _bad(f"{where}.type", f"content block type {kind!r} is not supported by this server "
-                                        "(supported: text, tool_use, tool_result)")  # fmt: skip
+                                        f"(supported: {', '.join(_BLOCK_TYPES)})")  # fmt: skip
         if kind not in allowed:
             raise _bad(f"{where}.type", f"{kind} blocks are not allowed here (allowed: {', '.join(allowed)})")
         if kind == "text":
             out.append({"type": "text", "text": _req(block, "text", "string", where)})
+        elif kind == "thinking":  # an earlier turn's reasoning, sent back as the SDKs do with tool use
+            out.append({"type": "thinking", "thinking": _req(block, "thinking", "string", where)})
+            _opt(block, "signature", "string", None, where)
+        elif kind == "redacted_thinking":  # opaque by definition: nothing of it reaches the prompt
+            _req(block, "data", "string", where)
+            out.append({"type": "redacted_thinking"})
         elif kind == "tool_use":
             out.append({"type": "tool_use", "id": _req(block, "id", "string", where), "name": _req(block, "name",
                         "string", where), "input": _req(block, "input", "object", where)})  # fmt: skip
@@ -152,6 +168,9 @@ def _turn(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(b["text"] for b in blocks
                                                                        if b["type"] == "text")}  # fmt: skip
         calls = [template_call(b["id"], b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
+        reasoning = "\n".join(b["thinking"] for b in blocks if b["type"] == "thinking")
+        if reasoning:  # templates that show earlier reasoning (Qwen3's) read it as reasoning_content
+            msg["reasoning_content"] = reasoning
         return [{**msg, "tool_calls": calls} if calls else msg]
     out, text = [], []
     for b in blocks + [{"type": "end"}]:
@@ -180,7 +199,7 @@ def _conversation(raw: list) -> tuple[list[dict[str, Any]], str]:
             raise _bad(f"{where}.role", f"Input should be 'user' or 'assistant', got {role!r}{hint}")
         if i == 0 and role != "user":
             raise _bad(f"{where}.role", "the first message must use the user role")
-        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
+        allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use", "thinking", "redacted_thinking")
         if "content" not in msg:
             raise _bad(f"{where}.content", "Field required")
         blocks = _blocks(msg["content"], f"{where}.content", allowed)
@@ -276,13 +295,28 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
     if seed is not None and not -(1 << 63) <= seed < (1 << 63):
         raise _bad("seed", f"Input should be a 64-bit integer, got {seed}")
     _opt(body, "metadata", "object")
-    thinking = _opt(body, "thinking", "object", {"type": "disabled"})
-    if thinking.get("type") != "disabled":
-        raise _bad("thinking", "extended thinking is not supported by this server")
+    thinking = _thinking(body.get("thinking"), max_tokens, count_only)
     return MessagesRequest(max_tokens=max_tokens, messages=tuple(chat), tools=tools, forced=forced, prefill=prefill,
                            single_call=single, stop=tuple(stop), temperature=temperature,
                            top_p=_opt(body, "top_p", "number"), top_k=top_k, seed=seed,
-                           stream=_opt(body, "stream", "boolean", False))  # fmt: skip
+                           stream=_opt(body, "stream", "boolean", False), thinking=thinking)  # fmt: skip
+
+
+def _thinking(value: Any, max_tokens: int, count_only: bool) -> bool | None:
+    """`thinking` -> the template's `enable_thinking`: True (enabled), False (disabled), None (absent)."""
+    if value is None:
+        return None
+    kind = _check(value, "object", "thinking").get("type")
+    if kind == "disabled":
+        return False
+    if kind != "enabled":
+        raise _bad("thinking.type", f"Input should be 'enabled' or 'disabled', got {kind!r}")
+    budget = _req(value, "budget_tokens", "integer", "thinking")
+    if budget < 1024:
+        raise _bad("thinking.budget_tokens", f"Input should be greater than or equal to 1024, got {budget}")
+    if not count_only and budget >= max_tokens:
+        raise _bad("thinking.budget_tokens", f"budget_tokens ({budget}) must be less than max_tokens ({max_tokens})")
+    return True
 
 
 def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_special_tokens: bool = False
@@ -295,8 +329,9 @@ def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_sp
     if tokenizer is None:
         raise APIError(400, "the served model has no tokenizer, so it cannot take chat messages")
     try:
+        extra = {} if req.thinking is None else {"enable_thinking": req.thinking}
         return tokenizer.encode_chat(list(req.messages), tools=list(req.tools) or None, prefill=req.prefill,
-                                     special_tokens_in_content=allow_special_tokens)  # fmt: skip
+                                     special_tokens_in_content=allow_special_tokens, **extra)  # fmt: skip
     except ValueError as err:
         raise APIError(400, f"the chat template rejected the conversation: {err}") from None
 

@@ -207,7 +207,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
               max_body_bytes: int = 8 << 20, embeddings: EncoderConfig | None = None, body_timeout: float = 60.0,
               allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False, tokenizer_workers: int = 4,
               allow_special_tokens_in_content: bool = False, sampling_defaults: Mapping[str, Any] | None = None,
-              log_requests: bool = False, tool_call_parser: str | None = None) -> ASGIApp:  # fmt: skip
+              log_requests: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
@@ -221,17 +222,18 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
     request's id, route, prompt (its first 200 characters) and sampling params at INFO on the `astrai.serve`
     logger; without it no log line holds a prompt. `tool_call_parser` names the format of the model's tool calls
     (`tool_parsers.PARSERS`: hermes, mistral, llama3_json, qwen3_coder, deepseek_v3; None: detected from the chat
-    template).
+    template). `reasoning_parser` (`reasoning.PARSERS`: qwen3, deepseek_r1) splits `<think>` reasoning off the
+    answer (OpenAI `reasoning_content`, Anthropic `thinking` blocks); None: the text stays as generated.
 
     Raises:
         ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type;
-            `tool_call_parser` is not a parser's name.
+            `tool_call_parser` or `reasoning_parser` is not a parser's name.
     """
     state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                         embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,
                         allow_special_tokens_in_content=allow_special_tokens_in_content,
                         sampling_defaults=sampling_defaults or {}, log_requests=log_requests,
-                        tool_call_parser=tool_call_parser)  # fmt: skip
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

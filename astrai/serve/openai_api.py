@@ -52,6 +52,7 @@ from astrai.io.token_bytes import TokenBytes
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from astrai.serve.reasoning import new_parsers, prompt_start, sort_events, split
 from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import Event, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
 from astrai.serve.tool_parsers import new_parser, parse
@@ -144,21 +145,27 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
 
     parsers = [new_parser(state.tool_parser, chat.tool_names, chat.tool_schemas, forced=chat.forced)
                for _ in range(chat.params.n)]  # fmt: skip
+    thinkers = new_parsers(state.reasoning_parser, state.tokenizer, chat.prompt,
+                           constrained=chat.params.grammar is not None, n=chat.params.n)  # fmt: skip
     for i in range(chat.params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
         if chat.echo:
             yield chunk(i, {"content": chat.echo})
     try:
         async for d in _engine_deltas(state, request, handle, len(chat.prompt)):
-            parser = parsers[d.index]
+            parser, reasoning, text = parsers[d.index], "", d.text
+            if thinkers is not None:  # <think> reasoning goes out as reasoning_content; the tool parser reads the rest
+                thinker = thinkers[d.index]
+                reasoning, text = sort_events(thinker.feed(d.text) + (thinker.finish() if d.finish_reason else []))
             if chat.parse:
-                events = parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+                events = parser.feed(text) + (parser.finish() if d.finish_reason else [])
             else:
-                events = [TextDelta(d.text)] if d.text else []
+                events = [TextDelta(text)] if text else []
             lp = None
             if chat.params.wants_logprobs and d.token_ids:
                 lp = _chat_logprobs(texts, d.token_ids, d.logprobs, d.top_logprobs)
-            for k, delta in enumerate(_chunk_deltas(events) or ([{"content": ""}] if lp else [])):
+            out = ([{"reasoning_content": reasoning}] if reasoning else []) + _chunk_deltas(events)
+            for k, delta in enumerate(out or ([{"content": ""}] if lp else [])):
                 yield chunk(d.index, delta, lp if k == 0 else None)  # each token's logprob goes out once
             if d.finish_reason:
                 yield chunk(d.index, {}, None, _finish(d.finish_reason, bool(parser.calls), chat.forced))
@@ -188,11 +195,17 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
     texts, choices = TokenBytes(state.tokenizer), []
+    start = prompt_start(state.tokenizer, chat.prompt, constrained=chat.params.grammar is not None)
     for out in completion.outputs:
-        text, calls = (parse(state.tool_parser, out.text, chat.tool_names, chat.tool_schemas, forced=chat.forced)
-                       if chat.parse else (out.text, []))  # fmt: skip
+        answer, reasoning = out.text, None
+        if state.reasoning_parser is not None:
+            reasoning, answer = split(state.reasoning_parser, out.text, start)
+        text, calls = (parse(state.tool_parser, answer, chat.tool_names, chat.tool_schemas, forced=chat.forced)
+                       if chat.parse else (answer, []))  # fmt: skip
         text = chat.echo + text
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if state.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [_openai_call(c) for c in calls]
         lp = None

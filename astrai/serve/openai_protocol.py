@@ -7,8 +7,9 @@ Chat completions accept:
 - `messages` with roles system / developer (= system) / user / assistant / tool; `content` a string, null (an
   assistant turn with `tool_calls`) or a list of `{"type": "text"}` parts (joined with newlines; any other part
   type is a 400 naming it). Assistant `tool_calls` carry JSON-string `arguments` (parsed to objects for the
-  chat template; invalid JSON is a 400); `tool` messages carry `tool_call_id`. Everything reaches the prompt
-  through the model's chat template, so tool results are seen on the next turn.
+  chat template; invalid JSON is a 400); `tool` messages carry `tool_call_id`; an assistant's
+  `reasoning_content` (or `reasoning`), a string, reaches the template as `reasoning_content` (Qwen3's renders it).
+  Everything reaches the prompt through the model's chat template, so tool results are seen on the next turn.
 - `tools` (type "function": name matching ^[a-zA-Z0-9_-]{1,64}$, unique; optional description and an object
   JSON-schema `parameters`) and `tool_choice`: "none" (tools not rendered, output not parsed), "auto" (default
   with tools: unconstrained), "required" or `{"type": "function", "function": {"name": ...}}`: a grammar
@@ -160,6 +161,11 @@ def _messages(body: dict) -> list[dict]:
         msg["content"] = _content(m.get("content"), f"{where}.content")
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _assistant_calls(m["tool_calls"], f"{where}.tool_calls", call_names)
+        reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
+        if reasoning is not None:  # a thinking model's earlier reasoning: templates such as Qwen3's render it
+            if not isinstance(reasoning, str):
+                raise bad(f"{where}.reasoning_content", "reasoning_content must be a string")
+            msg["reasoning_content"] = reasoning
         elif msg["content"] is None and role != "assistant":
             raise bad(f"{where}.content", f"a {role} message needs content")
         if role == "tool":

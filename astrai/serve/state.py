@@ -1,5 +1,5 @@
 """`ServerState`: what the route handlers share (the engine, the served name, metrics, auth and limits, sampling
-defaults, whether requests are logged, the tool-call parser).
+defaults, whether requests are logged, the tool-call and reasoning parsers).
 
 Handlers (`openai_api`, `anthropic_api`, `embeddings_api`) and `app` import it; the protocol modules never do:
 they take the tokenizer and the limits they check as arguments.
@@ -19,6 +19,7 @@ import attrs
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
 from astrai.serve.metrics import Metrics
+from astrai.serve.reasoning import check_parser
 from astrai.serve.sampling_fields import check_defaults
 from astrai.serve.tool_parsers import check_parser_name, detect_parser
 
@@ -47,6 +48,9 @@ class ServerState:
     tool_call_parser: str | None = attrs.field(
         default=None, validator=lambda _s, _a, v: v is None or bool(check_parser_name(v))
     )
+    # `reasoning.PARSERS` name: split <think>...</think> into reasoning_content / thinking blocks; None: leave the
+    # text as the model wrote it
+    reasoning_parser: str | None = attrs.field(default=None, validator=lambda _s, _a, v: check_parser(v))
     _tokenizing: anyio.CapacityLimiter = attrs.field(
         init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
     )

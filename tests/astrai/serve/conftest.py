@@ -12,6 +12,8 @@ import contextlib
 import threading
 import time
 
+import anthropic
+import openai
 import pytest
 import uvicorn
 
@@ -94,6 +96,20 @@ def server(tmp_path_factory):
     uv.should_exit = True
     with contextlib.suppress(Exception):
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def oai(server):
+    """An openai SDK client of the live server."""
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def anth(server):
+    """An anthropic SDK client of the live server."""
+    with anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(autouse=True)

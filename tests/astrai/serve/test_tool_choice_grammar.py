@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import anthropic
 import jsonschema
 import openai
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from astrai.serve.tool_calls import parse_tool_calls
 from astrai.serve.tools_common import call_schema, forced_call_grammar, function_tool
 
-KEY, MODEL = "test-key", "tiny-test"
+MODEL = "tiny-test"
 USER = [{"role": "user", "content": "what is the weather?"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["c", "f"]}},
@@ -30,18 +29,6 @@ PARAMS = {"get_weather": WEATHER, "add": ADD}
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in PARAMS.items()]
 SEEDS = range(8)
 BUDGET = 400  # tokens: a few calls of the tiny tokenizer's short tokens
-
-
-@pytest.fixture
-def oai(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture
-def anth(server):
-    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60) as c:
-        yield c
 
 
 def _each_seed(fn) -> list:
