@@ -222,7 +222,7 @@ def routes(state: ServerState) -> list[Route]:
             raise APIError(400, "thinking: this server splits no reasoning off the output; start it with "
                                 "--reasoning-parser (qwen3 or deepseek_r1) to return thinking blocks")  # fmt: skip
         ids = await prompt_ids(req)
-        params = sampling_params(req, state.sampling_defaults, state.tokenizer)
+        params = sampling_params(req, state.sampling_defaults, state.tokenizer, state.tool_parser)
         if params.grammar is not None:  # compiled off the event loop; a tool schema it cannot take is a 400
             try:
                 await state.offload(state.engine.compile_grammar, params.grammar)
@@ -232,7 +232,8 @@ def routes(state: ServerState) -> list[Route]:
         if state.log_requests:
             log_request(head["id"], request.url.path, list(req.messages), params)
         handle = submit(state.engine, ids, params, busy_status=529)
-        thinkers = new_parsers(state.reasoning_parser, state.tokenizer, ids, constrained=params.grammar is not None)
+        no_text = params.grammar is not None and req.forced is not None  # auto's grammar allows text (and thinking)
+        thinkers = new_parsers(state.reasoning_parser, state.tokenizer, ids, constrained=no_text)
         gen = Generation(req, state.tool_parser, thinkers[0] if thinkers else None)
         source = state.metrics.observe(deltas(request, handle), len(ids))
         if req.stream:

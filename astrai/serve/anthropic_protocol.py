@@ -43,7 +43,14 @@ import attrs
 
 from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.serve.common import APIError
-from astrai.serve.tools_common import TOOL_NAME, forced_call_grammar, function_tool, template_call, tool_names
+from astrai.serve.tools_common import (
+    TOOL_NAME,
+    auto_call_grammar,
+    forced_call_grammar,
+    function_tool,
+    template_call,
+    tool_names,
+)
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -336,18 +343,23 @@ def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_sp
         raise APIError(400, f"the chat template rejected the conversation: {err}") from None
 
 
-def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None, tokenizer: Tokenizer | None = None
-                    ) -> SamplingParams:  # fmt: skip
+def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None, tokenizer: Tokenizer | None = None,
+                    tool_parser: str = "hermes") -> SamplingParams:  # fmt: skip
     """Engine settings, unset ones from the server's sampling `defaults` (`max_tokens` is the request's own).
 
     Stop strings are kept in the output so the reply can tell which one matched. A forced call (tool_choice
     any / tool) is a grammar (`tools_common.forced_call_grammar`: Hermes calls whose input matches the tool's
     schema; one call with `disable_parallel_tool_use`); `tokenizer` tells whether `<tool_call>` is a special token.
+    With tools and tool_choice auto, and the server's `tool_parser` hermes, the output is text or text then
+    well-formed calls (`tools_common.auto_call_grammar`).
     """
     grammar, keep_special = None, False
     if req.forced is not None:
         source, keep_special = forced_call_grammar(req.tools, req.forced or None, parallel=not req.single_call,
                                                    tokenizer=tokenizer)  # fmt: skip
+        grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    elif req.tools and tool_parser == "hermes":
+        source, keep_special = auto_call_grammar(req.tools, parallel=not req.single_call, tokenizer=tokenizer)
         grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
     return SamplingParams(max_tokens=req.max_tokens, stop=req.stop, include_stop_str_in_output=bool(req.stop),

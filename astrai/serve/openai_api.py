@@ -16,8 +16,9 @@ chunk with `choices: []` when asked, then `data: [DONE]`. Tool calls are parsed 
 (`ServerState.tool_parser`, `astrai.serve.tool_parsers`); a forced call (tool_choice "required" / named) is
 grammar-constrained to Hermes markup (`openai_protocol`), parsed by the hermes parser, so it always parses and
 finishes with "tool_calls" (when the token budget cuts a further parallel call short, that call is dropped and the
-reply, its complete calls, still finishes with "tool_calls"). `parallel_tool_calls: false` is enforced for forced
-calls only.
+reply, its complete calls, still finishes with "tool_calls"). tool_choice "auto" with the hermes parser is
+constrained to text, or text then well-formed calls; `parallel_tool_calls: false` is enforced for forced calls and
+for that "auto".
 
 A completions request with a list of prompts submits one engine request per prompt (all or none: if the queue
 fills up midway, the queued ones are aborted and the client gets a 429); choice `index` is `prompt_index * n +
@@ -145,8 +146,8 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
 
     parsers = [new_parser(state.tool_parser, chat.tool_names, chat.tool_schemas, forced=chat.forced)
                for _ in range(chat.params.n)]  # fmt: skip
-    thinkers = new_parsers(state.reasoning_parser, state.tokenizer, chat.prompt,
-                           constrained=chat.params.grammar is not None, n=chat.params.n)  # fmt: skip
+    thinkers = new_parsers(state.reasoning_parser, state.tokenizer, chat.prompt, constrained=_no_free_text(chat),
+                           n=chat.params.n)  # fmt: skip
     for i in range(chat.params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
         if chat.echo:
@@ -176,6 +177,13 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
         yield event
 
 
+def _no_free_text(chat: ChatRequest) -> bool:
+    """Whether a grammar rules out free text (a schema, a forced call), hence a think block; tool_choice "auto"'s
+    grammar allows text."""
+    grammar = chat.params.grammar
+    return grammar is not None and (chat.forced or grammar.param != "tool_choice")
+
+
 def _openai_call(call: ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -184,7 +192,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
-                               defaults=state.sampling_defaults)  # fmt: skip
+                               defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
     await _compile_grammar(state, chat.params)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if state.log_requests:
@@ -195,7 +203,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
     texts, choices = TokenBytes(state.tokenizer), []
-    start = prompt_start(state.tokenizer, chat.prompt, constrained=chat.params.grammar is not None)
+    start = prompt_start(state.tokenizer, chat.prompt, constrained=_no_free_text(chat))
     for out in completion.outputs:
         answer, reasoning = out.text, None
         if state.reasoning_parser is not None:

@@ -11,13 +11,15 @@ Chat completions accept:
   `reasoning_content` (or `reasoning`), a string, reaches the template as `reasoning_content` (Qwen3's renders it).
   Everything reaches the prompt through the model's chat template, so tool results are seen on the next turn.
 - `tools` (type "function": name matching ^[a-zA-Z0-9_-]{1,64}$, unique; optional description and an object
-  JSON-schema `parameters`) and `tool_choice`: "none" (tools not rendered, output not parsed), "auto" (default
-  with tools: unconstrained), "required" or `{"type": "function", "function": {"name": ...}}`: a grammar
-  (`tools_common.forced_call_grammar`, `SamplingParams.grammar` with param "tool_choice") lets the model write
-  only Hermes `<tool_call>` calls to one of the tools (or the named one) whose arguments match its parameters,
-  then end; `parallel_tool_calls: false` allows exactly one call, true / absent one or more. The output is parsed
-  by the server's tool-call parser (`astrai.serve.tool_parsers`; forced calls by the hermes one); parsed calls
-  come back as `tool_calls` with `arguments` a JSON string of an object, and finish_reason "tool_calls".
+  JSON-schema `parameters`) and `tool_choice`: "none" (tools not rendered, output not parsed), "auto" (default with
+  tools: with the hermes tool-call parser, a grammar allows text, or text then well-formed calls,
+  `tools_common.auto_call_grammar`; with other parsers unconstrained), "required" or `{"type": "function",
+  "function": {"name": ...}}`: a grammar (`tools_common.forced_call_grammar`, `SamplingParams.grammar` with param
+  "tool_choice") lets the model write only Hermes `<tool_call>` calls to one of the tools (or the named one) whose
+  arguments match its parameters, then end; `parallel_tool_calls: false` allows exactly one call, true / absent one
+  or more. The output is parsed by the server's tool-call parser (`astrai.serve.tool_parsers`; forced calls by the
+  hermes one); parsed calls come back as `tool_calls` with `arguments` a JSON string of an object, and finish_reason
+  "tool_calls".
 - sampling: `n` (<= 16), `temperature` [0, 2], `top_p`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
   `seed`, `stop` (a string or <= 16 strings), `max_tokens` / `max_completion_tokens` (default: the server's
   sampling default, else the rest of the context), `logprobs` + `top_logprobs` (0..20), `stream` +
@@ -33,8 +35,8 @@ Chat completions accept:
   `add_generation_prompt` (true only, or false with `continue_final_message`), `echo` (the final message's text,
   when it is an assistant's, starts the reply), `add_special_tokens` (false only: the template places them).
 - no-ops: `model` may be any string (the served name is echoed); `user`, `store`, `metadata`, `service_tier`,
-  `parallel_tool_calls` (except with a forced call), `safety_identifier`, `prompt_cache_key` are accepted and
-  ignored.
+  `parallel_tool_calls` (except with a forced call or the hermes "auto" grammar), `safety_identifier`,
+  `prompt_cache_key` are accepted and ignored.
 - structured output (both routes): `response_format` (text, json_object, json_schema) or one of vLLM's
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (`sampling_fields.grammar_spec`; the engine
   compiles it, a grammar that does not compile is a 400 naming the field). Combined with a forced tool call
@@ -84,7 +86,14 @@ from astrai.serve.sampling_fields import (
     show,
 )
 from astrai.serve.tool_parsers import tool_schemas
-from astrai.serve.tools_common import TOOL_NAME, forced_call_grammar, function_tool, template_call, tool_names
+from astrai.serve.tools_common import (
+    TOOL_NAME,
+    auto_call_grammar,
+    forced_call_grammar,
+    function_tool,
+    template_call,
+    tool_names,
+)
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -299,8 +308,8 @@ class ChatRequest:
 
 
 def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
-               allow_special_tokens: bool = False, defaults: Mapping[str, Any] | None = None
-               ) -> ChatRequest:  # fmt: skip
+               allow_special_tokens: bool = False, defaults: Mapping[str, Any] | None = None,
+               tool_parser: str = "hermes") -> ChatRequest:  # fmt: skip
     """Validate a /v1/chat/completions body and render its prompt through the chat template.
 
     Renders and tokenizes (seconds for a multi-megabyte body): handlers run it on the server's worker pool.
@@ -310,6 +319,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
         tokenizer: the served model's tokenizer (None: chat is refused).
         vocab_size: token ids (logit_bias keys, stop_token_ids) must be below it.
         context: tokens one sequence may hold, prompt and completion together.
+        tool_parser: the server's tool-call format: with `hermes`, tool_choice "auto" is grammar-constrained too
+            (`tools_common.auto_call_grammar`); other formats leave "auto" unconstrained.
         allow_special_tokens: special-token text in the messages becomes control tokens (by default it is
             encoded as plain text, see `Tokenizer.encode_chat`).
         defaults: the server's sampling defaults for unset fields (`sampling_fields`).
@@ -355,18 +366,25 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
                                             "(tool_choice 'required' or a named function): both constrain the "
                                             "output")  # fmt: skip
         params = _force_call(params, rendered, forced, body, tokenizer)
+    elif rendered and params.grammar is None and tool_parser == "hermes":
+        params = _force_call(params, rendered, None, body, tokenizer)
     return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered),
                        forced is not None, echo, tool_schemas(rendered))  # fmt: skip
 
 
-def _force_call(params: SamplingParams, tools: list[dict], name: str, body: dict, tokenizer: Tokenizer
+def _force_call(params: SamplingParams, tools: list[dict], name: str | None, body: dict, tokenizer: Tokenizer
                 ) -> SamplingParams:  # fmt: skip
-    """`params` constrained to Hermes calls of one of `tools` ("" name) or of `name`: one call when
-    `parallel_tool_calls` is false, one or more otherwise."""
+    """`params` constrained to Hermes calls of one of `tools` ("" name) or of `name`, or (None: tool_choice
+    "auto") to text or text then well-formed calls: one call when `parallel_tool_calls` is false, one or more
+    otherwise."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
-    source, special = forced_call_grammar(tools, name or None, parallel=parallel is not False, tokenizer=tokenizer)
+    if name is None:
+        source, special = auto_call_grammar(tools, parallel=parallel is not False, tokenizer=tokenizer)
+    else:
+        source, special = forced_call_grammar(tools, name or None, parallel=parallel is not False,
+                                              tokenizer=tokenizer)  # fmt: skip
     grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
     # a special-token tag must reach the parser as text (the grammar allows no other special token but EOS)
     return attrs.evolve(params, grammar=grammar, skip_special_tokens=params.skip_special_tokens and not special)

@@ -89,11 +89,38 @@ def forced_call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise ValueError(f"no tool named {name!r}")
+    rules, special = _call_rules(chosen, tokenizer)
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join(["%llguidance {}", start, *rules]) + "\n", special
+
+
+def auto_call_grammar(tools: Sequence[dict[str, Any]], *, parallel: bool = True, tokenizer: Any = None
+                      ) -> tuple[str, bool]:  # fmt: skip
+    """The grammar of tool_choice "auto" (Hermes markup): free text, or text then well-formed calls.
+
+    Text may say anything except the opening tag; once the tag is written, what follows must be a complete call
+    to one of `tools` with valid arguments, then (`parallel`) more calls separated by a newline, then the end.
+    So a model that starts a call always finishes one the parser reads, and text never holds a broken call.
+    Returns the grammar and whether the tags are special tokens (as `forced_call_grammar`).
+    """
+    rules, special = _call_rules([t["function"] for t in tools], tokenizer)
+    more = ' ("\\n" call)*' if parallel else ""
+    text = "TEXT: /(?s:.+)/ & ~/(?s:.*" + re.escape(OPEN_TAG) + ".*)/"  # never the tag's text
+    if special:  # the tag is one token, which no text matches: text ends where it is sampled
+        start = f"start: TEXT? | TEXT? call{more}"
+    else:  # text up to and including the tag (a lazy lexeme that stops there), then the rest of the call
+        rules.append(f"lead[stop={json.dumps(OPEN_TAG)}]: /(?s:.*)/")
+        start = f"start: TEXT? | lead call_rest{more}"
+    return "\n".join(["%llguidance {}", start, text, *rules]) + "\n", special
+
+
+def _call_rules(functions: Sequence[dict[str, Any]], tokenizer: Any) -> tuple[list[str], bool]:
+    """`call` (the opening tag, then `call_rest`: the call after its tag), `body` and one `%json` rule per
+    function; whether the tags are special tokens."""
     (open_t, special_open), (close_t, special_close) = (tag_terminal(tokenizer, OPEN_TAG),
                                                         tag_terminal(tokenizer, CLOSE_TAG))  # fmt: skip
-    lines = ["%llguidance {}", 'start: call ("\\n" call)*' if parallel else "start: call",
-             "call: " + open_t + ' "\\n" body "\\n" ' + close_t,
-             "body: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]  # fmt: skip
-    for i, fn in enumerate(chosen):
-        lines.append(f"call_{i}: %json " + json.dumps(call_schema(fn["name"], fn.get("parameters"))))
-    return "\n".join(lines) + "\n", special_open or special_close
+    rules = [f"call: {open_t} call_rest", 'call_rest: "\\n" body "\\n" ' + close_t,
+             "body: " + " | ".join(f"call_{i}" for i in range(len(functions)))]  # fmt: skip
+    for i, fn in enumerate(functions):
+        rules.append(f"call_{i}: %json " + json.dumps(call_schema(fn["name"], fn.get("parameters"))))
+    return rules, special_open or special_close

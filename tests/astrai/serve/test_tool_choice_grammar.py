@@ -1,8 +1,10 @@
 """Forced tool calls through the grammar, on the tiny random model (it never writes a valid call by itself): OpenAI
 `tool_choice` "required" / a named function and Anthropic `tool_choice` any / tool always return calls whose
 arguments validate against the tool's parameters (jsonschema), streaming and not, at temperature 1 over several
-seeds; `parallel_tool_calls: false` / `disable_parallel_tool_use` give exactly one call; "auto" (unconstrained) is
-the negative control. Also the grammar's text itself, with `<tool_call>` as a special token.
+seeds; `parallel_tool_calls: false` / `disable_parallel_tool_use` give exactly one call. tool_choice "auto": its
+grammar accepts text or text then well-formed calls (token by token, plain and special-token tags), and a model
+pushed to open a call always finishes a valid one, where the same push without the grammar never does (the
+negative control). Also the grammar's text itself, with `<tool_call>` as a special token.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import attrs
 import jsonschema
 import openai
 import pytest
@@ -156,3 +159,129 @@ def test_grammar_text_and_special_tags():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "f", "arguments": {"x": "no"}}, schema)
     assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')[1][0].name == "f"
+
+
+# ---- tool_choice "auto": text, or text then well-formed calls ------------------------------------------------
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+AUTO_CASES = [  # (output, allowed with parallel calls, allowed with one call)
+    ("Plain text, no call at all.", True, True),
+    ("", True, True),
+    ("Let me add them.\n" + CALL, True, True),
+    (CALL + "\n" + CALL, True, False),
+    ("text that writes <tool_call> and goes on", False, False),  # the tag only ever starts a real call
+    ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', False, False),  # not a tool
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 100, "b": 2}}\n</tool_call>', False, False),  # a > 99
+    (CALL + " and text after", False, False),
+    ("an unfinished <tool", True, True),  # not the tag: text
+]
+
+
+def _walk(view, grammar, ids) -> bool:
+    """Whether the grammar takes `ids` token by token (each in the mask) and may end after them."""
+    from astrai.inference.grammar import (
+        accept,
+        allocate_bitmask,
+        bitmask_allowed,
+        fill_bitmask,
+        is_accepting,
+        new_matcher,
+    )
+
+    matcher = new_matcher(grammar)
+    for token in ids:
+        mask = allocate_bitmask(1, view.vocab_size)
+        fill_bitmask(matcher, mask[0])
+        if not bitmask_allowed(mask, view.vocab_size)[0, token] or not accept(matcher, token):
+            return False
+    return is_accepting(matcher)
+
+
+@pytest.mark.parametrize("special_tags", [False, True])
+def test_auto_grammar_takes_text_or_well_formed_calls(server, special_tags):
+    from astrai.inference.grammar import build_view, compile_grammar
+    from astrai.io.tokenizer import train_tokenizer
+    from astrai.serve.tools_common import auto_call_grammar
+
+    tok = server.tokenizer
+    if special_tags:  # `<tool_call>` / `</tool_call>` as special tokens, as in real Qwen vocabularies
+        corpus = [text for text, _, _ in AUTO_CASES] * 3
+        tok = train_tokenizer(corpus, vocab_size=400, special_tokens=("<|endoftext|>", "<tool_call>", "</tool_call>"))
+    view = build_view(tok, vocab_size=tok.vocab_size)
+    tools = [function_tool(n, None, p) for n, p in PARAMS.items()]
+    for parallel in (True, False):
+        source, special = auto_call_grammar(tools, parallel=parallel, tokenizer=tok)
+        assert special == special_tags
+        grammar = compile_grammar(view, source)
+        for text, many, one in AUTO_CASES:
+            if special_tags and "<tool_call> and" in text:
+                continue  # with special tags that text is the plain-text spelling, which the grammar also refuses
+            ids = tok.encode(text, add_special_tokens=False)
+            assert _walk(view, grammar, ids) == (many if parallel else one), (parallel, text)
+
+
+@pytest.fixture(scope="module")
+def tag_engine():
+    """A tiny random model whose vocabulary has `<tool_call>` / `</tool_call>` as added plain (not special) tokens,
+    as Qwen2.5's has, so a logit_bias can make it open a call at once; the grammar must then finish the call."""
+    from astrai.inference.engine import Engine, EngineConfig
+    from astrai.io.model import Model
+    from astrai.io.tokenizer import Tokenizer, train_tokenizer
+    from astrai.models.config import ModelConfig
+    from astrai.models.decoder import init_params
+
+    trained = train_tokenizer([CALL, "plain words here"] * 20, vocab_size=300)
+    backend = trained.backend
+    backend.add_tokens(["<tool_call>", "</tool_call>"])  # added, not special: they match text
+    tok = Tokenizer(backend, special_tokens=trained.special_tokens_map, eos_token_ids=trained.eos_token_ids)
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) == 1 and tok.special_token_ids.isdisjoint(
+        tok.encode("<tool_call></tool_call>", add_special_tokens=False)
+    )
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+                      eos_token_id=(tok.eos_token_id,))  # fmt: skip
+    model = Model(config=cfg, params=init_params(cfg, seed=0), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
+    with Engine(model, EngineConfig(max_running=8, compile=False, kv_budget_tokens=8192)) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_call_the_model_starts_under_auto_is_always_finished_and_valid(tag_engine, parallel):
+    from astrai.inference.params import GrammarSpec, SamplingParams
+    from astrai.serve.tools_common import auto_call_grammar
+
+    tok = tag_engine.model.tokenizer
+    tag = tok.encode("<tool_call>", add_special_tokens=False)[0]
+    source, _ = auto_call_grammar([function_tool(n, None, p) for n, p in PARAMS.items()], parallel=parallel)
+    grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    prompt = tok.encode("plain words", add_special_tokens=False)
+    runs = [SamplingParams(max_tokens=BUDGET, temperature=1.0, seed=s, logit_bias={tag: 100.0}, grammar=grammar)
+            for s in SEEDS]  # fmt: skip
+    for out in tag_engine.generate([prompt] * len(runs), runs):
+        text = out.outputs[0].text
+        rest, calls = parse_tool_calls(text)
+        assert text.startswith("<tool_call>") and calls and not rest.strip(), text  # the push worked
+        assert out.outputs[0].finish_reason == "stop" and (parallel or len(calls) == 1), text
+        for call in calls:
+            _valid(call.name, json.loads(call.arguments))
+    # negative control: the same push without the grammar opens calls it never finishes into valid ones
+    free = [attrs.evolve(p, grammar=None, max_tokens=64) for p in runs]
+    broken = [out.outputs[0].text for out in tag_engine.generate([prompt] * len(free), free)]
+    assert all(t.startswith("<tool_call>") for t in broken)
+    assert not any(parse_tool_calls(t)[1] for t in broken)
+
+
+def test_anthropic_auto_is_constrained_too(anth, monkeypatch):
+    from astrai.serve.anthropic_protocol import parse_request, sampling_params
+
+    body = {"model": "m", "max_tokens": 64, "messages": USER,
+            "tools": [{"name": n, "input_schema": p} for n, p in PARAMS.items()]}  # fmt: skip
+    auto = sampling_params(parse_request(body))
+    assert auto.grammar is not None and "lead[stop=" in auto.grammar.source and '("\\n" call)*' in auto.grammar.source
+    single = sampling_params(
+        parse_request({**body, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}})
+    )
+    assert '("\\n" call)*' not in single.grammar.source
+    assert sampling_params(parse_request(body), tool_parser="mistral").grammar is None  # other formats: free
+    assert sampling_params(parse_request({**body, "tool_choice": {"type": "none"}})).grammar is None
+    reply = anth.messages.create(**body, extra_body={"temperature": 1.0, "seed": 1})  # the real route takes it
+    assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
