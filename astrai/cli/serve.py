@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -21,6 +23,7 @@ import tyro
 from astrai.cli._common import ModelArgs, console, fail, load_model, parse, run_guarded, served_name
 
 if TYPE_CHECKING:
+    from astrai.inference.engine import Engine
     from astrai.io.model import Model
 
 
@@ -155,6 +158,14 @@ def engine_config(cfg: ServeConfig):
                         tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
 
 
+def _prepare_grammar(engine: Engine) -> None:
+    """Build the grammar view while the server starts (structured output, tool calls): the first constrained
+    request would otherwise wait seconds for it at a large vocabulary."""
+    start = time.perf_counter()
+    if engine.prepare_grammar():
+        console.print(f"grammar engine ready ({time.perf_counter() - start:.1f} s)", highlight=False)
+
+
 def main(cfg: ServeConfig) -> None:
     """Load the model, build the app and run uvicorn until interrupted."""
     from astrai.inference.engine import Engine
@@ -173,6 +184,7 @@ def main(cfg: ServeConfig) -> None:
             engine = run_guarded(lambda: Engine(model, engine_cfg))
         except GraphCaptureError as err:
             fail(str(err))
+    threading.Thread(target=_prepare_grammar, args=(engine,), name="grammar-view", daemon=True).start()
     kv_tokens = engine.stats().kv_pages_total * engine_cfg.page_size
     console.print(f"KV cache: {kv_tokens:,} tokens; max model len {engine.max_model_len:,}; "
                   f"up to {engine_cfg.max_running} sequences", highlight=False)  # fmt: skip

@@ -169,6 +169,7 @@ def test_serve_command_end_to_end(model_dir, tmp_path):
         assert reply.json()["usage"]["prompt_tokens"] == expected
     assert "from-env" not in server.out  # never logged
     assert "prompt=" in server.out and "hello" in server.out, server.out  # --enable-log-requests, shown at info
+    assert "grammar engine ready" in server.out  # the grammar view is built at start, not by the first request
     # a requested stop that shut down cleanly is a success: status 0 (uvicorn alone re-raises SIGTERM: -15)
     assert server.returncode == 0 and "Application shutdown complete" in server.out, server.out
 

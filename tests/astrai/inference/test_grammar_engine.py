@@ -9,6 +9,7 @@ applies the mask before everything else.
 import json
 import re
 
+import attrs
 import jsonschema
 import pytest
 import torch
@@ -124,6 +125,19 @@ def test_regex_choice_stop_strings_and_min_tokens(model):
     assert all(o.text in choices for o in out[4:8])
     text = out[8].text
     assert text.startswith('{"name":"') and text.endswith('",') and '"kind"' not in text and json.loads(text[8:-1])
+
+
+def test_prepare_grammar_builds_the_view_that_requests_then_use(model):
+    with _engine(model) as engine:
+        assert engine._grammar_view is None  # lazy by default
+        assert engine.prepare_grammar() is True
+        view = engine._grammar_view
+        assert view is not None and engine.compile_grammar(JSON).view is view
+    no_tokenizer = attrs.evolve(model, tokenizer=None)
+    with _engine(no_tokenizer) as engine:
+        assert engine.prepare_grammar() is False  # and the first constrained request gets the error
+        with pytest.raises(EngineInputError, match="no tokenizer"):
+            engine.compile_grammar(JSON)
 
 
 def test_bad_grammars_are_input_errors_from_submit(model):
