@@ -44,6 +44,10 @@ from astrai.io.tokenizer import Tokenizer
 
 # JSON output without free whitespace: a weak model cannot pad forever between tokens (issue 14, item 6)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# Compile time grows with the grammar's size (measured on a 2-core box: a 188 KiB schema of 3,000 patterned
+# properties 0.18 s to its first mask, 632 KiB 1.1 s; llguidance's own limits stop a 2 MiB one after 0.3-0.5 s).
+# Past this size a grammar is refused at once, so compiling one stays well under a second.
+MAX_GRAMMAR_BYTES = 256 << 10
 
 
 class GrammarError(ValueError):
@@ -226,8 +230,13 @@ def compile_grammar(view: TokenizerView, source: str) -> Grammar:
     """Compile `source` (from the ``*_grammar`` functions) for `view`, or fetch it from the view's cache.
 
     Raises:
-        GrammarError: the grammar does not compile (the message is llguidance's, naming the problem).
+        GrammarError: the grammar does not compile (the message is llguidance's, naming the problem), or its text
+            is over `MAX_GRAMMAR_BYTES`.
     """
+    size = len(source.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar (schema, tools or pattern) is {size:,} bytes; the limit is "
+                           f"{MAX_GRAMMAR_BYTES:,}, which keeps its compilation under a second")  # fmt: skip
     with view._lock:
         pristine = view._cache.get(source)
         if pristine is not None:
