@@ -65,11 +65,14 @@ def hf_generate(hf, batch: list[list[int]], new: int) -> float:
     return time.perf_counter() - start
 
 
-def engine_run(engine: Engine, batch: list[list[int]], new: int) -> dict:
-    """Submit all at once and step the engine on this thread; wall time, TTFT and inter-token latencies."""
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+def engine_run(engine: Engine, batch: list[list[int]], new: int, params: list[SamplingParams] | None = None) -> dict:
+    """Submit all at once and step the engine on this thread; wall time, TTFT and inter-token latencies.
+
+    Default: greedy, exactly `new` tokens each; `params` (one per prompt) replaces that, and tok_s then counts the
+    tokens actually generated (`completions` holds the results)."""
+    params = params or [SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)] * len(batch)
     ttft, itl, start = [], [], time.perf_counter()
-    handles = [engine.submit(p, params) for p in batch]
+    handles = [engine.submit(p, q) for p, q in zip(batch, params, strict=True)]
     last: dict[int, float] = {}
     while engine.step():
         now = time.perf_counter()
@@ -81,7 +84,9 @@ def engine_run(engine: Engine, batch: list[list[int]], new: int) -> dict:
         handle.poll()
         assert handle.completion is not None
     wall = time.perf_counter() - start
-    return dict(wall_s=wall, tok_s=len(batch) * new / wall, ttft=ttft, itl=itl)
+    completions = [h.completion for h in handles]
+    tokens = sum(len(o.token_ids) for c in completions for o in c.outputs)
+    return dict(wall_s=wall, tok_s=tokens / wall, tokens=tokens, ttft=ttft, itl=itl, completions=completions)
 
 
 def pct(values: list[float], q: float) -> float:

@@ -116,6 +116,7 @@ class RequestDelivery:
                 text=out.text,
                 token_ids=tuple(seq.outputs),
                 finish_reason=seq.finish_reason,
+                stop_reason="budget" if seq.finish_reason == "stop" and seq.steering and seq.steering.steered else None,
                 logprobs=tuple(seq.logprobs) if (seq.params.logprobs or seq.params.top_logprobs) else None,
                 top_logprobs=tuple(tuple(t) for t in seq.top_logprobs) if seq.params.top_logprobs else None,
             )  # fmt: skip

@@ -101,11 +101,14 @@ class TokenizerView:
         n_tokens: the tokenizer's vocabulary (ids past it are never accepted).
         eos_token_ids: ids that end a sequence whose grammar is accepting.
         words: int32 words per bitmask row, ``ceil(vocab_size / 32)``.
+        token_bytes: each token's bytes (special tokens: b""), read by `astrai.inference.closing`.
     """
 
-    def __init__(self, ll: llguidance.LLTokenizer, vocab_size: int, n_tokens: int, eos: tuple[int, ...], cache: int):
+    def __init__(self, ll: llguidance.LLTokenizer, vocab_size: int, n_tokens: int, eos: tuple[int, ...], cache: int,
+                 token_bytes: Sequence[bytes] = ()):  # fmt: skip
         self.ll, self.vocab_size, self.n_tokens, self.eos_token_ids = ll, vocab_size, n_tokens, eos
         self.words = (vocab_size + 31) // 32
+        self.token_bytes = token_bytes
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size, self._lock = cache, threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
@@ -143,7 +146,8 @@ def build_view(
     tokens = [token_bytes.bytes(i) for i in range(n)]
     wrapped = llguidance.TokenizerWrapper(_Wrapped(tokenizer, tokens, eos[0]))
     ll = llguidance.LLTokenizer(wrapped, n_vocab=vocab_size, eos_token=list(eos))
-    return TokenizerView(ll, vocab_size, n, eos, cache)
+    special = tokenizer.special_token_ids
+    return TokenizerView(ll, vocab_size, n, eos, cache, [b"" if i in special else b for i, b in enumerate(tokens)])
 
 
 # ---- grammar sources (llguidance's grammar text; compile with compile_grammar) ----------------------------------

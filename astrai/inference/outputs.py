@@ -15,6 +15,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    stop_reason: str | None = None  # "budget": the end of a constrained output was steered to fit max_tokens
 
 
 @attrs.frozen(kw_only=True)

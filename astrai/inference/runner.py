@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from astrai.inference import closing
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
 from astrai.inference.grammar import allocate_bitmask, fill_bitmask_batch
 from astrai.inference.graphs import DecodeGraphs
@@ -68,6 +69,21 @@ class StepInputs(NamedTuple):
 def graphs_supported(model: Model) -> bool:
     """CUDA graphs need a step with no host sync: dense GQA models (MoE dispatch reads expert counts)."""
     return model.config.ffn_type == "mlp" and model.config.attn_type == "gqa"
+
+
+def _steered_token(seq: Seq) -> int | None:
+    """The token a constrained sequence must take now to finish its grammar within `max_tokens` (None: free).
+
+    Not while `min_tokens` still holds EOS back (the closing path may end with it)."""
+    if seq.matcher is None or len(seq.outputs) < seq.params.min_tokens:
+        return None
+    if seq.steering is None:
+        seq.steering = closing.Steering()
+    produced = len(seq.outputs)
+    remaining = seq.params.max_tokens - produced
+    view_bytes = seq.matcher.grammar.view.token_bytes
+    prefix = b"".join(view_bytes[t] for t in seq.outputs if t < len(view_bytes)) if remaining <= closing.WINDOW else b""
+    return seq.steering.next_token(seq.matcher, produced, remaining, prefix)
 
 
 class ModelRunner:
@@ -189,6 +205,12 @@ class ModelRunner:
         if len(rows) < len(seqs):
             mask[[j for j, s in enumerate(seqs) if s.matcher is None]] = -1
         fill_bitmask_batch(rows[0][0].grammar.view, rows, mask)
+        for j, s in enumerate(seqs):  # budget-aware closing: near the end of its budget a row follows its path
+            token = _steered_token(s)
+            if token is not None:
+                mask[j] = 0
+                bit = 1 << (token & 31)
+                mask[j, token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # bit 31 is the int32 sign bit
         return mask.to(self.device, non_blocking=True)
 
     def _sample(self, logits: Tensor, seqs: list[Seq], index: list[int], vocab_size: int) -> dict[int, SampledToken]:

@@ -23,6 +23,7 @@ import numpy as np
 from astrai.inference.params import SamplingParams
 
 if TYPE_CHECKING:
+    from astrai.inference.closing import Steering
     from astrai.inference.grammar import Matcher
 
 
@@ -76,6 +77,7 @@ class Seq:
     leader: Seq | None = None
     num_preemptions: int = 0
     matcher: Matcher | None = None
+    steering: Steering | None = None  # budget-aware closing of a constrained sequence (created on first use)
     _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
     _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
     _output_synced: int = attrs.field(default=0, init=False, repr=False)

@@ -177,6 +177,12 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
         yield event
 
 
+def _stop_reason(reason: str | None) -> dict:
+    """vLLM's `stop_reason` choice field, when there is one: "budget" says the end of a constrained output was
+    steered to fit `max_tokens` (`astrai.inference.closing`; not in streamed chunks)."""
+    return {} if reason is None else {"stop_reason": reason}
+
+
 def _no_free_text(chat: ChatRequest) -> bool:
     """Whether a grammar rules out free text (a schema, a forced call), hence a think block; tool_choice "auto"'s
     grammar allows text."""
@@ -220,7 +226,8 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         if chat.params.wants_logprobs:
             lp = _chat_logprobs(texts, out.token_ids, out.logprobs, out.top_logprobs)
         reason = _finish(out.finish_reason, bool(calls), chat.forced)
-        choices.append({"index": out.index, "message": message, "logprobs": lp, "finish_reason": reason})
+        choices.append({"index": out.index, "message": message, "logprobs": lp, "finish_reason": reason,
+                        **_stop_reason(out.stop_reason)})  # fmt: skip
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(completion)})
 
 
@@ -332,8 +339,9 @@ async def _completions(state: ServerState, request: Request) -> Response:
             if req.logprobs is not None:
                 lp = _legacy_logprobs(texts, o.token_ids, o.logprobs, o.top_logprobs, len(prompt.echo))
                 lp = _with_prompt(_prompt_part(texts, scores[k]) if scores else None, lp, prompt.echo)
+            reason = _finish(o.finish_reason, False)
             choices.append({"index": k * req.n + o.index, "text": prompt.echo + o.text, "logprobs": lp,
-                            "finish_reason": _finish(o.finish_reason, False)})  # fmt: skip
+                            "finish_reason": reason, **_stop_reason(o.stop_reason)})  # fmt: skip
     usage = _summed_usage([h.completion for h in handles])
     return JSONResponse({**head, "choices": choices, "usage": usage})
 

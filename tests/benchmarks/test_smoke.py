@@ -121,3 +121,12 @@ def test_quant_smoke_reports_json(tmp_path):
     assert all(r["tok_s"] > 0 for r in rows.values()) and report["quality"] == []
     assert rows["float32 + int8"]["decode_mib"] < 0.3 * rows["float32"]["decode_mib"]
     assert 0 <= report["int8_greedy_tokens_before_divergence"] <= report["new_tokens"]
+
+
+def test_structured_smoke_reports_json(tmp_path):
+    """bench_structured: both modes ran the same number of tokens; the mask time was measured."""
+    report = _smoke("bench_structured.py", tmp_path, timeout=300)
+    free, schema = report["rows"]
+    assert (free["mode"], schema["mode"]) == ("free", "json_schema")
+    assert free["tokens"] == schema["tokens"] > 0 and schema["vs_free"] > 0
+    assert report["masks"]["masks"] > 0 and report["masks"]["single_us_p50"] > 0

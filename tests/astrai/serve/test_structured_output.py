@@ -133,3 +133,23 @@ def test_oversized_and_heavy_schemas_are_refused_or_compiled_quickly(client):
     assert len(json.dumps(heavy)) < MAX_GRAMMAR_BYTES
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, extra_body={"guided_json": heavy})
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+class Note(pydantic.BaseModel):  # unbounded strings and list: the random model would fill any budget
+    title: str
+    tags: list[str]
+    body: str
+
+
+def test_parse_succeeds_at_a_tight_budget_with_stop_reason_budget(client):
+    """Budget-aware closing through the SDK: parse() raises on "length", so a parsed object proves the output
+    ended complete within max_tokens; stop_reason says the budget shaped it."""
+    steered = 0
+    for seed in range(4):
+        reply = client.chat.completions.parse(model=MODEL, messages=USER, response_format=Note, max_tokens=40,
+                                              temperature=1.0, seed=seed)  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Note), choice.message.content
+        assert reply.usage.completion_tokens <= 40
+        steered += (choice.model_extra or {}).get("stop_reason") == "budget"
+    assert steered >= 3  # 40 tokens are too few for the random model's free strings: the ending was steered

@@ -1,0 +1,206 @@
+"""Budget-aware closing: a grammar-constrained output that reaches its token budget still parses (issue 14, item 6).
+
+vLLM and SGLang return truncated JSON when `max_tokens` runs out inside a constrained output (a weak model can
+write digits or string characters forever). Here a constrained sequence near the end of its budget is steered
+onto a short way to finish its grammar, so it ends complete, with finish_reason "stop":
+
+- `closing_path(matcher, limit, prefix)` rolls a copy of the matcher forward greedily: at each step, of the tokens
+  the grammar allows, EOS when it may end, else the one whose first byte closes most in the current lexical state
+  of the JSON text (tracked over the output's bytes): inside a string the closing quote; outside, `}`, `]`, then
+  `:` and `,` towards the next required key, then the shortest values (a digit, `""`), openers last, and no
+  further digit after a digit; shorter tokens first among equals. That is how a minimal completion reads: close
+  the string, stop the number, close the brackets, write the keys the schema requires (forced by the grammar)
+  with minimal values. The path's length is the tokens that finishing needs from here. (For a regex or Lark
+  grammar that is not JSON the same preferences apply; a path that does not finish is None: no steering.)
+- `Steering.next_token` is None while the budget is ample. In the last `WINDOW` tokens of a budget it
+  computes that path, and once the remaining tokens (this one included) no longer exceed the path by `MARGIN`,
+  it returns the path's next token and keeps following the path (the runner makes that token the only one
+  allowed). `MARGIN` covers what one freely sampled token can add to the path (a token that opens an object or
+  starts a new key). Until steering starts the path is recomputed every step once it is near, and more sparsely
+  while the budget still exceeds it by a lot (every `slack / (GROWTH + 1)` tokens, assuming a free token adds at
+  most `GROWTH` tokens to it), so a sequence pays a handful of rollouts, not one per step.
+
+EOS is never forced: once the rest of a path is only EOS the output is complete (a JSON document's grammar then
+finishes it at once, "stop"); a grammar that may go on (text under tool_choice "auto") is left to the model and the
+budget, so free text is not cut early.
+
+Reserved budget, in short: steering starts when `remaining <= len(path) + MARGIN`, so at most `MARGIN` tokens of the
+budget go unused. The window is `WINDOW` tokens, or twice the grammar's shortest document when that is longer
+(measured once, at the sequence's first token). Limits: a budget smaller than the shortest document, an ending that
+grows past the window while the model writes (deep nesting opened late), or a grammar whose every path grows (no way
+to finish), can still be cut by `max_tokens` (then "length", as before). The rollout is host work: a mask per path
+token, for each constrained row inside its window; a step outside every window pays nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from astrai.inference.grammar import Matcher, TokenizerView, allocate_bitmask, bitmask_allowed
+
+WINDOW = 64  # the last tokens of a budget in which the closing path is computed
+MARGIN = 8  # tokens beyond the closing path at which steering starts
+GROWTH = 4  # tokens one freely sampled token is assumed to add to the path at most, to space the recomputations
+
+# Preference of a token by its first byte, in each lexical state of JSON text (the rollout tracks it): inside a
+# string the closing quote comes first; outside, the end, then closing brackets, then the separators that lead to
+# the next required key, then the shortest values (a digit, an empty string), openers last; right after a digit,
+# another digit (or `.`, `e`) is what keeps a number going for ever, so it comes last.
+_OUTSIDE = {ord("}"): 100, ord("]"): 90, ord(":"): 60, ord(","): 50, ord('"'): 30, ord("["): 10, ord("{"): 5}
+_OUTSIDE.update({d: 40 for d in b"0123456789"} | {c: 20 for c in b"tfn"})
+_AFTER_DIGIT = {**_OUTSIDE, **{d: -50 for d in b"0123456789.eE+-"}}
+_STRING = {ord('"'): 100}
+_PLAIN = 1  # letters and other characters (a string that must grow before it may close)
+
+
+def _table(prefs: dict[int, int]) -> torch.Tensor:
+    table = torch.full((257,), float(_PLAIN))
+    for byte, score in prefs.items():
+        table[byte] = score
+    table[256] = -1e6  # special tokens (no text): only when nothing else is allowed
+    return table
+
+
+_TABLES = {"outside": _table(_OUTSIDE), "digit": _table(_AFTER_DIGIT), "string": _table(_STRING)}
+
+
+class _Lexer:
+    """JSON's lexical state over the chosen tokens' bytes: inside a string (and after a backslash), after a digit."""
+
+    def __init__(self) -> None:
+        self.in_string, self.escaped, self.last = False, False, 0
+
+    def feed(self, data: bytes) -> None:
+        for b in data:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif b == 0x5C:  # backslash
+                    self.escaped = True
+                elif b == 0x22:  # quote
+                    self.in_string = False
+            elif b == 0x22:
+                self.in_string = True
+            self.last = b
+
+    @property
+    def state(self) -> str:
+        if self.in_string:
+            return "string"
+        return "digit" if chr(self.last) in "0123456789.eE+-" else "outside"
+
+
+CANDIDATES = 4096  # per lexical state, the best-scoring tokens checked first (a full scan only when none is allowed)
+
+
+class _Preferences:
+    """Per view: every token's score in each lexical state, and the best `CANDIDATES` tokens of each in order."""
+
+    def __init__(self, view: TokenizerView) -> None:
+        first = torch.full((view.vocab_size,), 256, dtype=torch.long)
+        length = torch.zeros(view.vocab_size)
+        for i, b in enumerate(view.token_bytes):
+            if b:
+                first[i], length[i] = b[0], len(b)
+        self.score = {state: table[first] - 0.01 * length for state, table in _TABLES.items()}  # shorter first
+        self.order = {}
+        for state, score in self.score.items():
+            ids = torch.sort(-score, stable=True).indices[:CANDIDATES].numpy()  # best first; ties: the lower id
+            self.order[state] = (ids, ids >> 5, (ids & 31).astype(np.int32))
+
+    def best(self, state: str, row: torch.Tensor, vocab_size: int) -> int | None:
+        """The best-scoring token the bitmask `row` allows in `state` (None: nothing allowed). numpy on the
+        candidates: a few microseconds, where torch's per-op overhead cost tens."""
+        ids, words, shifts = self.order[state]
+        bits = (row.numpy()[words] >> shifts) & 1
+        k = int(bits.argmax())
+        if bits[k]:
+            return int(ids[k])
+        allowed = bitmask_allowed(row.unsqueeze(0), vocab_size)[0]
+        if not bool(allowed.any()):
+            return None
+        return int(torch.where(allowed, self.score[state], float("-inf")).argmax())
+
+
+def _preferences(view: TokenizerView) -> _Preferences:
+    cached = getattr(view, "_closing_preferences", None)
+    if cached is None:
+        cached = view._closing_preferences = _Preferences(view)
+    return cached
+
+
+def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"") -> list[int] | None:
+    """The greedy closing path from `matcher`'s state (ending with EOS, or where the grammar stops), at most
+    `limit` tokens; None when it does not finish within `limit` (or the grammar allows nothing).
+
+    `prefix`: the output's text so far, to know whether the rollout starts inside a string or a number."""
+    view = matcher.grammar.view
+    prefs = _preferences(view)
+    lexer = _Lexer()
+    lexer.feed(prefix)
+    m = matcher.ll.deep_copy()
+    row = allocate_bitmask(1, view.vocab_size)
+    path: list[int] = []
+    while len(path) < limit:
+        if m.is_stopped():
+            return path
+        m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        eos = [t for t in view.eos_token_ids if t < view.vocab_size and (int(row[0, t >> 5]) >> (t & 31)) & 1]
+        if eos:
+            return [*path, eos[0]]
+        token = prefs.best(lexer.state, row[0], view.vocab_size)
+        if token is None:
+            return None
+        path.append(token)
+        lexer.feed(view.token_bytes[token] if token < len(view.token_bytes) else b"")
+        if not m.consume_token(token):
+            return None
+    return None
+
+
+class Steering:
+    """One constrained sequence's closing state: the path it follows once steering started.
+
+    Attributes:
+        steered: a token was forced (the completion's `stop_reason` says "budget").
+    """
+
+    __slots__ = ("path", "start", "steered", "window", "next_check")
+
+    def __init__(self) -> None:
+        self.path: list[int] = []
+        self.start = 0  # tokens the sequence had produced when `path` was computed
+        self.steered = False
+        self.window: int | None = None  # WINDOW, or twice the grammar's shortest document if that is longer
+        self.next_check = 0  # tokens produced at which the path is computed again
+
+    def next_token(self, matcher: Matcher, produced: int, remaining: int, prefix: bytes = b"") -> int | None:
+        """The token to force now (None: sample freely).
+
+        Args:
+            matcher: the sequence's matcher (at `produced` tokens).
+            produced: tokens generated so far.
+            remaining: tokens the budget still allows, this one included.
+            prefix: the bytes of the tokens generated so far (`closing_path`'s lexical state).
+        """
+        eos = matcher.grammar.view.eos_token_ids
+        step = produced - self.start
+        if self.path and 0 < step < len(self.path):  # following the path: the tokens before were its own
+            return None if self.path[step] in eos else self.path[step]  # complete now: ending is the model's call
+        if self.window is None:  # once per sequence: a grammar whose shortest document is long opens it earlier
+            shortest = closing_path(matcher, 4 * WINDOW, prefix) if produced == 0 else None
+            self.window = max(WINDOW, 2 * len(shortest) if shortest else 0)
+        if remaining > self.window or produced < self.next_check:
+            return None
+        path = closing_path(matcher, remaining + WINDOW, prefix)  # past the budget too: the shortest is still best
+        if path is not None and path[0] in eos:
+            self.path = []  # complete as it stands (free text under tool_choice "auto"): a cut would not break it
+            return None
+        if path is None or len(path) + MARGIN < remaining:
+            # far from the end: the path can grow by at most GROWTH a token, so check again when it could matter
+            slack = remaining - MARGIN - (len(path) if path is not None else 0)
+            self.path, self.next_check = [], produced + max(1, slack // (GROWTH + 1))
+            return None
+        self.path, self.start, self.steered = path, produced, True
+        return path[0]

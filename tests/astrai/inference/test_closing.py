@@ -1,0 +1,132 @@
+"""Budget-aware closing (`astrai.inference.closing`): a constrained output that reaches `max_tokens` still parses.
+
+On the tiny random model (which never writes JSON by itself) a schema with unbounded strings, arrays and numbers,
+at temperature 1 over many seeds and budgets (2 to 70 tokens more than the schema's shortest document): with
+closing, every output validates (jsonschema), finishes "stop" within its last `MARGIN` budget tokens, and those
+that were steered say so in `stop_reason`; with closing switched off (the negative control) the same requests are
+cut mid-JSON ("length", unparseable). Also the closing path on its own, and forced tool calls whose budget is
+tight.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+import astrai
+from astrai.inference import closing
+from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.grammar import accept, is_finished, new_matcher
+from astrai.inference.params import GrammarSpec, SamplingParams
+from helpers import tiny_model_dir
+
+SCHEMA = {  # unbounded on purpose: a weak model can stay in a string, an array or a number for ever
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"},
+        "inner": {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]},
+    },
+    "required": ["name", "tags", "score", "inner"],
+    "additionalProperties": False,
+}
+JSON = GrammarSpec(kind="json_schema", source=json.dumps(SCHEMA))
+PROMPT = "the quick brown fox jumps over the lazy dog"
+EXTRA = (2, 12, 30, 70)  # budgets: the schema's shortest document (in this tokenizer's tokens) plus these
+SEEDS = range(6)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return astrai.load(tiny_model_dir(tmp_path_factory.mktemp("closing") / "m"))
+
+
+def _valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def _run(model, extra=EXTRA):
+    with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=8192)) as engine:
+        shortest = len(closing.closing_path(new_matcher(engine.compile_grammar(JSON)), limit=500))
+        params = [SamplingParams(max_tokens=shortest + e, temperature=1.0, seed=s, grammar=JSON)
+                  for e in extra for s in SEEDS]  # fmt: skip
+        return [c.outputs[0] for c in engine.generate([PROMPT] * len(params), params)], params
+
+
+def test_every_constrained_output_fits_its_budget_and_parses(model):
+    outs, params = _run(model)
+    for out, p in zip(outs, params, strict=True):
+        assert out.finish_reason == "stop" and _valid(out.text), (p.max_tokens, out.text)
+        # the budget is used up to its last MARGIN tokens: the model wrote freely until the end came near
+        assert p.max_tokens - closing.MARGIN <= len(out.token_ids) <= p.max_tokens, (p.max_tokens, out.text)
+    assert any(o.stop_reason == "budget" for o in outs) and all(o.stop_reason in (None, "budget") for o in outs)
+
+
+def test_without_closing_the_same_requests_are_cut(model, monkeypatch):
+    monkeypatch.setattr(closing, "WINDOW", 0)  # never steer: the behaviour before (and vLLM's)
+    outs, _ = _run(model, extra=EXTRA[:2])
+    cut = [o for o in outs if o.finish_reason == "length"]
+    assert cut and not any(_valid(o.text) for o in cut)
+    assert all(o.stop_reason is None for o in outs)
+
+
+def test_closing_path_finishes_the_grammar(model):
+    with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=4096)) as engine:
+        grammar = engine.compile_grammar(JSON)
+    tok = model.tokenizer
+    matcher = new_matcher(grammar)
+    for t in tok.encode('{"name":"abc', add_special_tokens=False):  # inside the first string
+        assert accept(matcher, t)
+    path = closing.closing_path(matcher, limit=200, prefix=b'{"name":"abc')
+    assert path is not None and 0 < len(path) < 60
+    for t in path:  # the path is a valid completion: a copy of the matcher takes it and finishes
+        assert accept(matcher, t)
+    assert is_finished(matcher)
+    text = '{"name":"abc' + tok.decode([t for t in path if t not in model.eos_token_ids])
+    assert _valid(text), text
+    shortest = closing.closing_path(new_matcher(grammar), limit=500)
+    assert _valid(tok.decode([t for t in shortest if t not in model.eos_token_ids]))  # the minimal document
+    assert closing.closing_path(new_matcher(grammar), limit=len(shortest) - 1) is None  # too short a limit
+
+
+def test_forced_tool_call_with_a_tight_budget_still_parses(model):
+    from astrai.serve.tool_calls import parse_tool_calls
+    from astrai.serve.tools_common import forced_call_grammar, function_tool
+
+    tools = [function_tool("note", None, {"type": "object", "properties": {"text": {"type": "string"}},
+                                          "required": ["text"]})]  # fmt: skip
+    source, _ = forced_call_grammar(tools, parallel=False)
+    spec = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=8192)) as engine:
+        # this tokenizer spells the markup nearly a character per token: the shortest call is longer than WINDOW
+        shortest = len(closing.closing_path(new_matcher(engine.compile_grammar(spec)), limit=500))
+        assert shortest > closing.WINDOW
+        params = [SamplingParams(max_tokens=shortest + e, temperature=1.0, seed=s, grammar=spec)
+                  for e in (1, 20) for s in SEEDS]  # fmt: skip
+        outs = [c.outputs[0] for c in engine.generate([PROMPT] * len(params), params)]
+    for out in outs:
+        rest, calls = parse_tool_calls(out.text)
+        assert out.finish_reason == "stop" and len(calls) == 1 and not rest.strip(), out.text
+        assert "text" in json.loads(calls[0].arguments)
+
+
+def test_free_text_under_tool_choice_auto_is_not_cut_early(model):
+    """A grammar that may end where it stands (text under the "auto" tool grammar) is left alone: the budget
+    runs out as usual ("length", every token used), no steering."""
+    from astrai.serve.tools_common import auto_call_grammar, function_tool
+
+    source, _ = auto_call_grammar([function_tool("note", None, {"type": "object"})])
+    spec = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, grammar=spec) for s in SEEDS]
+    with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=8192)) as engine:
+        outs = [c.outputs[0] for c in engine.generate([PROMPT] * len(params), params)]
+    texts = [o for o in outs if "<tool_call>" not in o.text]
+    assert texts and all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in texts)
+    assert all(o.stop_reason is None for o in texts)
