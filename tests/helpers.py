@@ -209,3 +209,16 @@ def wait_ranks(procs: list, timeout: float) -> None:
                 p.kill()
     for p, (stdout, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+
+
+def valid_json(text: str, schema: dict) -> bool:
+    """Whether `text` is JSON that validates against `schema` (jsonschema is the independent validator)."""
+    import json
+
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True

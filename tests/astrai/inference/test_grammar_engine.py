@@ -10,7 +10,6 @@ import json
 import re
 
 import attrs
-import jsonschema
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from astrai.inference.grammar import allocate_bitmask
 from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.inference.sampler import sample
 from astrai.inference.sampling_batch import make_sampling_batch
-from helpers import tiny_model_dir
+from helpers import tiny_model_dir, valid_json
 
 SCHEMA = {
     "type": "object",
@@ -50,11 +49,7 @@ def _engine(model, **kw) -> Engine:
 
 
 def _valid(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
+    return valid_json(text, SCHEMA)
 
 
 def _assert_clean(engine: Engine) -> None:
