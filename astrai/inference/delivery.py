@@ -98,6 +98,7 @@ class RequestDelivery:
                 logprobs=tuple(seq.logprobs[first:]) if params.logprobs or params.top_logprobs else None,
                 top_logprobs=tuple(tuple(t) for t in seq.top_logprobs[first:]) if params.top_logprobs else None,
                 finish_reason=seq.finish_reason if out.done else None,
+                stop_reason=_stop_reason(seq) if out.done else None,
             ))  # fmt: skip
         return all_done
 
@@ -116,7 +117,7 @@ class RequestDelivery:
                 text=out.text,
                 token_ids=tuple(seq.outputs),
                 finish_reason=seq.finish_reason,
-                stop_reason="budget" if seq.finish_reason == "stop" and seq.steering and seq.steering.steered else None,
+                stop_reason=_stop_reason(seq),
                 logprobs=tuple(seq.logprobs) if (seq.params.logprobs or seq.params.top_logprobs) else None,
                 top_logprobs=tuple(tuple(t) for t in seq.top_logprobs) if seq.params.top_logprobs else None,
             )  # fmt: skip
@@ -125,3 +126,8 @@ class RequestDelivery:
         lead = self.seqs[0]
         self.handle.put(Completion(request_id=request_id, prompt_tokens=len(lead.prompt),
                                    cached_tokens=max(lead.num_cached, 0), outputs=outputs))  # fmt: skip
+
+
+def _stop_reason(seq: Seq) -> str | None:
+    """ "budget" when budget-aware closing shaped the end of a constrained output that finished "stop"."""
+    return "budget" if seq.finish_reason == "stop" and seq.steering is not None and seq.steering.steered else None

@@ -43,3 +43,4 @@ class Delta:
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish_reason: str | None = None
+    stop_reason: str | None = None  # on the last one: "budget" as in `CompletionOutput.stop_reason`

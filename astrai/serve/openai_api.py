@@ -140,8 +140,10 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
     tail = {"usage": None} if chat.include_usage else {}
     texts = TokenBytes(state.tokenizer)
 
-    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None,
+              stop_reason: str | None = None) -> str:  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                  **_stop_reason(stop_reason)}  # fmt: skip
         return sse({**head, "choices": [choice], **tail})
 
     parsers = [new_parser(state.tool_parser, chat.tool_names, chat.tool_schemas, forced=chat.forced)
@@ -169,7 +171,7 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
             for k, delta in enumerate(out or ([{"content": ""}] if lp else [])):
                 yield chunk(d.index, delta, lp if k == 0 else None)  # each token's logprob goes out once
             if d.finish_reason:
-                yield chunk(d.index, {}, None, _finish(d.finish_reason, bool(parser.calls), chat.forced))
+                yield chunk(d.index, {}, None, _finish(d.finish_reason, bool(parser.calls), chat.forced), d.stop_reason)
     except APIError as err:
         yield _error_event(err)
         return
@@ -179,7 +181,7 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
 
 def _stop_reason(reason: str | None) -> dict:
     """vLLM's `stop_reason` choice field, when there is one: "budget" says the end of a constrained output was
-    steered to fit `max_tokens` (`astrai.inference.closing`; not in streamed chunks)."""
+    steered to fit `max_tokens` (`astrai.inference.closing`; in the final streamed chunk too)."""
     return {} if reason is None else {"stop_reason": reason}
 
 
@@ -376,8 +378,9 @@ async def _completion_stream(state: ServerState, request: Request, handles: list
                 offset = sum(len(t) for t in prompt_part["tokens"])  # later offsets count from the prompt's tokens
             offsets[index] = offset + len(d.text)
             finish = _finish(d.finish_reason, False) if d.finish_reason else None
-            yield sse({**head, "choices": [{"index": index, "text": piece, "logprobs": lp, "finish_reason": finish}],
-                       **tail})  # fmt: skip
+            choice = {"index": index, "text": piece, "logprobs": lp, "finish_reason": finish,
+                      **_stop_reason(d.stop_reason)}  # fmt: skip
+            yield sse({**head, "choices": [choice], **tail})
     except APIError as err:
         yield _error_event(err)
         return

@@ -153,3 +153,18 @@ def test_parse_succeeds_at_a_tight_budget_with_stop_reason_budget(client):
         assert reply.usage.completion_tokens <= 40
         steered += (choice.model_extra or {}).get("stop_reason") == "budget"
     assert steered >= 3  # 40 tokens are too few for the random model's free strings: the ending was steered
+
+
+def test_streamed_tight_budget_ends_complete_and_says_budget(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": Note.model_json_schema()}}
+    steered = 0
+    for seed in range(3):
+        text, last = "", None
+        for chunk in client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=40,
+                                                    temperature=1.0, seed=seed, stream=True):  # fmt: skip
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                last = c if c.finish_reason else last
+        assert last.finish_reason == "stop" and Note.model_validate_json(text)
+        steered += (last.model_extra or {}).get("stop_reason") == "budget"
+    assert steered >= 2
