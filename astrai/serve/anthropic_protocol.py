@@ -41,16 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from astrai.inference.params import GrammarSpec, SamplingParams
+from astrai.inference.params import SamplingParams
 from astrai.serve.common import APIError
-from astrai.serve.tools_common import (
-    TOOL_NAME,
-    auto_call_grammar,
-    forced_call_grammar,
-    function_tool,
-    template_call,
-    tool_names,
-)
+from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_call_grammar, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -353,14 +346,8 @@ def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = N
     With tools and tool_choice auto, and the server's `tool_parser` hermes, the output is text or text then
     well-formed calls (`tools_common.auto_call_grammar`).
     """
-    grammar, keep_special = None, False
-    if req.forced is not None:
-        source, keep_special = forced_call_grammar(req.tools, req.forced or None, parallel=not req.single_call,
-                                                   tokenizer=tokenizer)  # fmt: skip
-        grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
-    elif req.tools and tool_parser == "hermes":
-        source, keep_special = auto_call_grammar(req.tools, parallel=not req.single_call, tokenizer=tokenizer)
-        grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    grammar, keep_special = tool_call_grammar(req.tools, req.forced, parallel=not req.single_call,
+                                              tokenizer=tokenizer, tool_parser=tool_parser)  # fmt: skip
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
     return SamplingParams(max_tokens=req.max_tokens, stop=req.stop, include_stop_str_in_output=bool(req.stop),
                           temperature=d["temperature"] if req.temperature is None else float(req.temperature),

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams
+from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from astrai.serve.sampling_fields import (
     SAMPLING_FIELDS,
     UNSUPPORTED,
@@ -86,14 +86,7 @@ from astrai.serve.sampling_fields import (
     show,
 )
 from astrai.serve.tool_parsers import tool_schemas
-from astrai.serve.tools_common import (
-    TOOL_NAME,
-    auto_call_grammar,
-    forced_call_grammar,
-    function_tool,
-    template_call,
-    tool_names,
-)
+from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_call_grammar, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -365,27 +358,23 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
             raise bad(params.grammar.param, f"{params.grammar.param} cannot be combined with a forced tool call "
                                             "(tool_choice 'required' or a named function): both constrain the "
                                             "output")  # fmt: skip
-        params = _force_call(params, rendered, forced, body, tokenizer)
-    elif rendered and params.grammar is None and tool_parser == "hermes":
-        params = _force_call(params, rendered, None, body, tokenizer)
+        params = _constrain_calls(params, rendered, forced, body, tokenizer, tool_parser)
+    elif rendered and params.grammar is None:
+        params = _constrain_calls(params, rendered, None, body, tokenizer, tool_parser)
     return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered),
                        forced is not None, echo, tool_schemas(rendered))  # fmt: skip
 
 
-def _force_call(params: SamplingParams, tools: list[dict], name: str | None, body: dict, tokenizer: Tokenizer
-                ) -> SamplingParams:  # fmt: skip
-    """`params` constrained to Hermes calls of one of `tools` ("" name) or of `name`, or (None: tool_choice
-    "auto") to text or text then well-formed calls: one call when `parallel_tool_calls` is false, one or more
-    otherwise."""
+def _constrain_calls(params: SamplingParams, tools: list[dict], forced: str | None, body: dict, tokenizer: Tokenizer,
+                     tool_parser: str) -> SamplingParams:  # fmt: skip
+    """`params` with `tools_common.tool_call_grammar` (one call when `parallel_tool_calls` is false)."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
-    if name is None:
-        source, special = auto_call_grammar(tools, parallel=parallel is not False, tokenizer=tokenizer)
-    else:
-        source, special = forced_call_grammar(tools, name or None, parallel=parallel is not False,
-                                              tokenizer=tokenizer)  # fmt: skip
-    grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
+    grammar, special = tool_call_grammar(tools, forced, parallel=parallel is not False, tokenizer=tokenizer,
+                                         tool_parser=tool_parser)  # fmt: skip
+    if grammar is None:
+        return params
     # a special-token tag must reach the parser as text (the grammar allows no other special token but EOS)
     return attrs.evolve(params, grammar=grammar, skip_special_tokens=params.skip_special_tokens and not special)
 

@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from astrai.inference.params import GrammarSpec
+
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # both services' rule for function names
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
@@ -124,3 +126,17 @@ def _call_rules(functions: Sequence[dict[str, Any]], tokenizer: Any) -> tuple[li
     for i, fn in enumerate(functions):
         rules.append(f"call_{i}: %json " + json.dumps(call_schema(fn["name"], fn.get("parameters"))))
     return rules, special_open or special_close
+
+
+def tool_call_grammar(tools: Sequence[dict[str, Any]], forced: str | None, *, parallel: bool, tokenizer: Any = None,
+                      tool_parser: str = "hermes") -> tuple[GrammarSpec | None, bool]:  # fmt: skip
+    """What both APIs constrain a tool request with: `forced` None (tool_choice auto) gives `auto_call_grammar`
+    (only with the hermes parser, else None: unconstrained), "" any tool and a name that tool
+    (`forced_call_grammar`). Also whether the tags are special tokens (the request must then keep them as text)."""
+    if forced is None:
+        if not tools or tool_parser != "hermes":
+            return None, False
+        source, special = auto_call_grammar(tools, parallel=parallel, tokenizer=tokenizer)
+    else:
+        source, special = forced_call_grammar(tools, forced or None, parallel=parallel, tokenizer=tokenizer)
+    return GrammarSpec(kind="lark", source=source, param="tool_choice"), special
