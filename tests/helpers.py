@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # Kernel tests run on the GPU (compiled) when there is one, else on the CPU under TRITON_INTERPRET=1.
@@ -222,3 +224,47 @@ def valid_json(text: str, schema: dict) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
+
+
+def grammar_takes(view, grammar, ids) -> bool:
+    """Whether a compiled grammar takes the token `ids` one by one (each in its mask) and may end after them."""
+    from astrai.inference.grammar import (
+        accept,
+        allocate_bitmask,
+        bitmask_allowed,
+        fill_bitmask,
+        is_accepting,
+        new_matcher,
+    )
+
+    matcher = new_matcher(grammar)
+    for token in ids:
+        mask = allocate_bitmask(1, view.vocab_size)
+        fill_bitmask(matcher, mask[0])
+        if not bitmask_allowed(mask, view.vocab_size)[0, token] or not accept(matcher, token):
+            return False
+    return is_accepting(matcher)
+
+
+@contextlib.contextmanager
+def engine_with_added_tokens(corpus: list[str], added: list[str]):
+    """An engine over a tiny random model whose locally trained vocabulary has `added` as added plain (not special)
+    tokens, as real vocabularies have tool markup, so a logit_bias can make the model write one at once."""
+    from astrai.inference.engine import Engine, EngineConfig
+    from astrai.io.model import Model
+    from astrai.io.tokenizer import Tokenizer, train_tokenizer
+    from astrai.models.config import ModelConfig
+    from astrai.models.decoder import init_params
+
+    trained = train_tokenizer(corpus, vocab_size=300)
+    backend = trained.backend
+    backend.add_tokens(added)  # added, not special: they match text
+    tok = Tokenizer(backend, special_tokens=trained.special_tokens_map, eos_token_ids=trained.eos_token_ids)
+    assert all(len(tok.encode(t, add_special_tokens=False)) == 1 for t in added)
+    assert tok.special_token_ids.isdisjoint(tok.encode("".join(added), add_special_tokens=False))
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+                      eos_token_id=(tok.eos_token_id,))  # fmt: skip
+    model = Model(config=cfg, params=init_params(cfg, seed=0), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
+    with Engine(model, EngineConfig(max_running=8, compile=False, kv_budget_tokens=8192)) as engine:
+        yield engine

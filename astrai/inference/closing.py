@@ -12,24 +12,32 @@ onto a short way to finish its grammar, so it ends complete, with finish_reason 
   the string, stop the number, close the brackets, write the keys the schema requires (forced by the grammar)
   with minimal values. The path's length is the tokens that finishing needs from here. (For a regex or Lark
   grammar that is not JSON the same preferences apply; a path that does not finish is None: no steering.)
-- `Steering.next_token` is None while the budget is ample. In the last `WINDOW` tokens of a budget it
-  computes that path, and once the remaining tokens (this one included) no longer exceed the path by `MARGIN`,
-  it returns the path's next token and keeps following the path (the runner makes that token the only one
-  allowed). `MARGIN` covers what one freely sampled token can add to the path (a token that opens an object or
-  starts a new key). Until steering starts the path is recomputed every step once it is near, and more sparsely
-  while the budget still exceeds it by a lot (every `slack / (GROWTH + 1)` tokens, assuming a free token adds at
-  most `GROWTH` tokens to it), so a sequence pays a handful of rollouts, not one per step.
+  A grammar's free-text regions (a qwen3_coder tool call's text value) end with a closer string the grammar
+  names (`GrammarSpec.closers`); outside a JSON string the rollout writes it first: the token that continues a
+  closer already begun, else the longest allowed token that starts one.
+- `Steering.next_token` is None while the budget is ample. Near the end of a budget (its window) it computes that
+  path, and once the remaining tokens (this one included) no longer exceed the path by `MARGIN`, it returns the
+  path's next token and keeps following the path (the runner makes that token the only one allowed). `MARGIN`
+  covers what one freely sampled token can add to the path (a token that opens an object or starts a new key).
+  Until steering starts the path is recomputed every step once it is near, and more sparsely while the budget
+  still exceeds it by a lot (every `slack / (GROWTH + 1)` tokens, assuming a free token adds at most `GROWTH`
+  tokens to it), so a sequence pays a handful of rollouts, not one per step.
 
-EOS is never forced: once the rest of a path is only EOS the output is complete (a JSON document's grammar then
-finishes it at once, "stop"); a grammar that may go on (text under tool_choice "auto") is left to the model and the
-budget, so free text is not cut early.
+Once the rest of a path is only EOS the output is complete. A JSON document's grammar then finishes it at once
+("stop"). A complete output that may go on is left to the model, except where going on means a whole further
+tool call (one token, `,` in a list of calls or a new tag, adds a call to the path): when the grammar's shortest
+document is more than EOS (forced tool calls) and the remaining budget is within that document's length plus
+`MARGIN`, EOS is forced, since a further call would not fit. Free text (tool_choice "auto", whose shortest
+document is EOS alone) is never ended early.
 
 Reserved budget, in short: steering starts when `remaining <= len(path) + MARGIN`, so at most `MARGIN` tokens of the
-budget go unused. The window is `WINDOW` tokens, or twice the grammar's shortest document when that is longer
-(measured once, at the sequence's first token). Limits: a budget smaller than the shortest document, an ending that
-grows past the window while the model writes (deep nesting opened late), or a grammar whose every path grows (no way
-to finish), can still be cut by `max_tokens` (then "length", as before). The rollout is host work: a mask per path
-token, for each constrained row inside its window; a step outside every window pays nothing.
+budget go unused, or, after a complete forced call, the shortest call's length plus `MARGIN`. The window is
+`WINDOW` tokens, or twice the grammar's shortest document plus `MARGIN` when that is longer (measured once, at the
+sequence's first token). Limits: a budget smaller than the shortest document, an ending that grows past the window
+while the model writes (deep nesting opened late), or a grammar whose every path grows (no way to finish), can
+still be cut by `max_tokens` (then "length", as before). Under tool_choice "auto" a further call begun in the
+last tokens of the budget can still be cut (the parser then gives it back as text). The rollout is host work: a
+mask per path token, for each constrained row inside its window; a step outside every window pays nothing.
 """
 
 from __future__ import annotations
@@ -130,15 +138,40 @@ def _preferences(view: TokenizerView) -> _Preferences:
     return cached
 
 
-def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"") -> list[int] | None:
+def _by_bytes(view: TokenizerView) -> dict[bytes, int]:
+    cached = getattr(view, "_closing_by_bytes", None)
+    if cached is None:
+        cached = view._closing_by_bytes = {b: i for i, b in reversed(list(enumerate(view.token_bytes))) if b}
+    return cached
+
+
+def _closer_token(tail: bytes, closers: tuple[bytes, ...], row: torch.Tensor, by_bytes: dict[bytes, int]) -> int | None:
+    """The allowed token that writes on a closer: continuing one whose start `tail` ends with (longest start
+    first), else starting one; the longest such token. None: no closer fits here."""
+    for done in range(max(map(len, closers)) - 1, -1, -1):
+        for closer in closers:
+            if done >= len(closer) or not tail.endswith(closer[:done]):
+                continue
+            rest = closer[done:]
+            for size in range(len(rest), 0, -1):
+                token = by_bytes.get(rest[:size])
+                if token is not None and (int(row[token >> 5]) >> (token & 31)) & 1:
+                    return token
+    return None
+
+
+def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"", closers: tuple[str, ...] = ()) -> list[int] | None:
     """The greedy closing path from `matcher`'s state (ending with EOS, or where the grammar stops), at most
     `limit` tokens; None when it does not finish within `limit` (or the grammar allows nothing).
 
-    `prefix`: the output's text so far, to know whether the rollout starts inside a string or a number."""
+    `prefix`: the output's text so far, to know whether the rollout starts inside a string or a number.
+    `closers`: the strings that end the grammar's free-text regions (`GrammarSpec.closers`)."""
     view = matcher.grammar.view
     prefs = _preferences(view)
     lexer = _Lexer()
     lexer.feed(prefix)
+    ends = tuple(c.encode() for c in closers if c)
+    tail = prefix[-max(map(len, ends)) :] if ends else b""
     m = matcher.ll.deep_copy()
     row = allocate_bitmask(1, view.vocab_size)
     path: list[int] = []
@@ -149,11 +182,14 @@ def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"") -> list[int]
         eos = [t for t in view.eos_token_ids if t < view.vocab_size and (int(row[0, t >> 5]) >> (t & 31)) & 1]
         if eos:
             return [*path, eos[0]]
-        token = prefs.best(lexer.state, row[0], view.vocab_size)
+        token = _closer_token(tail, ends, row[0], _by_bytes(view)) if ends and lexer.state != "string" else None
+        token = prefs.best(lexer.state, row[0], view.vocab_size) if token is None else token
         if token is None:
             return None
         path.append(token)
-        lexer.feed(view.token_bytes[token] if token < len(view.token_bytes) else b"")
+        data = view.token_bytes[token] if token < len(view.token_bytes) else b""
+        lexer.feed(data)
+        tail = (tail + data)[-max(map(len, ends)) :] if ends else b""
         if not m.consume_token(token):
             return None
     return None
@@ -166,16 +202,18 @@ class Steering:
         steered: a token was forced (the completion's `stop_reason` says "budget").
     """
 
-    __slots__ = ("path", "start", "steered", "window", "next_check")
+    __slots__ = ("path", "start", "steered", "window", "shortest", "next_check")
 
     def __init__(self) -> None:
         self.path: list[int] = []
         self.start = 0  # tokens the sequence had produced when `path` was computed
         self.steered = False
-        self.window: int | None = None  # WINDOW, or twice the grammar's shortest document if that is longer
+        self.window: int | None = None  # WINDOW, or twice the grammar's shortest document + MARGIN if longer
+        self.shortest = 0  # tokens of the grammar's shortest document (1: it may end at once, as free text may)
         self.next_check = 0  # tokens produced at which the path is computed again
 
-    def next_token(self, matcher: Matcher, produced: int, remaining: int, prefix: bytes = b"") -> int | None:
+    def next_token(self, matcher: Matcher, produced: int, remaining: int, prefix: bytes = b"",
+                   closers: tuple[str, ...] = ()) -> int | None:  # fmt: skip
         """The token to force now (None: sample freely).
 
         Args:
@@ -183,20 +221,25 @@ class Steering:
             produced: tokens generated so far.
             remaining: tokens the budget still allows, this one included.
             prefix: the bytes of the tokens generated so far (`closing_path`'s lexical state).
+            closers: the grammar's closers (`GrammarSpec.closers`).
         """
         eos = matcher.grammar.view.eos_token_ids
         step = produced - self.start
-        if self.path and 0 < step < len(self.path):  # following the path: the tokens before were its own
-            return None if self.path[step] in eos else self.path[step]  # complete now: ending is the model's call
+        if self.path and 0 < step < len(self.path) and self.path[step] not in eos:
+            return self.path[step]  # following the path: the tokens before were its own
         if self.window is None:  # once per sequence: a grammar whose shortest document is long opens it earlier
-            shortest = closing_path(matcher, 4 * WINDOW, prefix) if produced == 0 else None
-            self.window = max(WINDOW, 2 * len(shortest) if shortest else 0)
+            shortest = len(closing_path(matcher, 4 * WINDOW, prefix, closers) or ()) if produced == 0 else 0
+            self.shortest, self.window = shortest, max(WINDOW, 2 * shortest + MARGIN)
         if remaining > self.window or produced < self.next_check:
             return None
-        path = closing_path(matcher, remaining + WINDOW, prefix)  # past the budget too: the shortest is still best
-        if path is not None and path[0] in eos:
-            self.path = []  # complete as it stands (free text under tool_choice "auto"): a cut would not break it
-            return None
+        # past the budget too: the shortest is still best
+        path = closing_path(matcher, remaining + WINDOW, prefix, closers)
+        if path is not None and path[0] in eos:  # complete as it stands
+            self.path = []
+            if self.shortest > 1 and remaining <= self.shortest + MARGIN:  # a further call would not fit: end here
+                self.steered = True
+                return path[0]
+            return None  # free text (tool_choice "auto"), or room for more: a cut would not break it
         if path is None or len(path) + MARGIN < remaining:
             # far from the end: the path can grow by at most GROWTH a token, so check again when it could matter
             slack = remaining - MARGIN - (len(path) if path is not None else 0)

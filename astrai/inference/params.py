@@ -67,11 +67,14 @@ class GrammarSpec:
             which is the whole output) or "lark" (source: a Lark grammar, or GBNF as llama.cpp writes it).
         source: see kind.
         param: the request field the constraint came from, named in errors (not part of equality).
+        closers: strings that end the grammar's free-text regions (a qwen3_coder tool call's text value ends at
+            `\n</parameter>`): budget-aware closing (`astrai.inference.closing`) writes them to leave such a region.
     """
 
     kind: str
     source: str | tuple[str, ...] = attrs.field(default="", converter=_choice_source)
     param: str = attrs.field(default="grammar", eq=False)
+    closers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def check(self) -> None:
         """Validate the shape (compilation is the engine's). Raises EngineInputError naming `param`."""

@@ -82,8 +82,10 @@ def _steered_token(seq: Seq) -> int | None:
     produced = len(seq.outputs)
     remaining = seq.params.max_tokens - produced
     view_bytes = seq.matcher.grammar.view.token_bytes
-    prefix = b"".join(view_bytes[t] for t in seq.outputs if t < len(view_bytes)) if remaining <= closing.WINDOW else b""
-    return seq.steering.next_token(seq.matcher, produced, remaining, prefix)
+    window = seq.steering.window
+    near = window is not None and remaining <= window  # only then does steering read the text so far
+    prefix = b"".join(view_bytes[t] for t in seq.outputs if t < len(view_bytes)) if near else b""
+    return seq.steering.next_token(seq.matcher, produced, remaining, prefix, seq.params.grammar.closers)
 
 
 class ModelRunner:

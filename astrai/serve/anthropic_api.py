@@ -148,7 +148,7 @@ class Generation:
     """One request's deltas -> content-block events, plus the stop reason and token usage."""
 
     def __init__(self, req: MessagesRequest, parser: str = "hermes", thinker: ReasoningParser | None = None) -> None:
-        """`parser`: the server's tool-call format (a forced call is grammar-constrained Hermes markup); `thinker`:
+        """`parser`: the server's tool-call format (a forced call is grammar-constrained markup of it); `thinker`:
         the request's reasoning parser (its reasoning becomes a `thinking` block), None: no split."""
         self.stops, self.text, self.output_tokens = req.stop, "", 0
         self.finish: str | None = None

@@ -25,9 +25,9 @@ Request (JSON; validated like the real API, every error a 400 in Anthropic's sha
 Prompt: the chat template renders the system message first, then the turns: text blocks joined by "\\n",
 assistant `tool_use` blocks as OpenAI-style `tool_calls` (arguments as a dict), `tool_result` blocks as `tool`
 messages (content prefixed with "Error: " when `is_error`). Tools are rendered unless tool_choice is none;
-"any" and "tool" constrain the output with a grammar (`sampling_params`): only Hermes `<tool_call>` calls to one
-of the tools (or the named one) whose input matches its `input_schema`, so the forced call always parses (by the
-hermes parser, whatever the server's `tool_call_parser`). Special-token text anywhere in the
+"any" and "tool" constrain the output with a grammar (`sampling_params`): only calls, in the server's tool-call
+format, to one of the tools (or the named one) whose input matches its `input_schema`, so the forced call always
+parses; "auto" allows text, or text then such calls. Special-token text anywhere in the
 client's strings (`<|im_end|>` in a message) is encoded as plain text, so only the chat template makes control
 tokens (`astrai serve --allow-special-tokens-in-content` turns that off).
 
@@ -43,7 +43,8 @@ import attrs
 
 from astrai.inference.params import SamplingParams
 from astrai.serve.common import APIError
-from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_call_grammar, tool_names
+from astrai.serve.tool_grammars import tool_call_grammar
+from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -341,13 +342,16 @@ def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = N
     """Engine settings, unset ones from the server's sampling `defaults` (`max_tokens` is the request's own).
 
     Stop strings are kept in the output so the reply can tell which one matched. A forced call (tool_choice
-    any / tool) is a grammar (`tools_common.forced_call_grammar`: Hermes calls whose input matches the tool's
-    schema; one call with `disable_parallel_tool_use`); `tokenizer` tells whether `<tool_call>` is a special token.
-    With tools and tool_choice auto, and the server's `tool_parser` hermes, the output is text or text then
-    well-formed calls (`tools_common.auto_call_grammar`).
+    any / tool) is a grammar (`tool_grammars.forced_call_grammar`: calls in the server's `tool_parser` format whose
+    input matches the tool's schema; one call with `disable_parallel_tool_use`); `tokenizer` tells whether the
+    markup is special tokens (and holds the chat template, which picks a format's variant). With tools and
+    tool_choice auto, the output is text or text then well-formed calls (`tool_grammars.auto_call_grammar`).
     """
-    grammar, keep_special = tool_call_grammar(req.tools, req.forced, parallel=not req.single_call,
-                                              tokenizer=tokenizer, tool_parser=tool_parser)  # fmt: skip
+    try:
+        grammar, keep_special = tool_call_grammar(req.tools, req.forced, parallel=not req.single_call,
+                                                  tokenizer=tokenizer, tool_parser=tool_parser)  # fmt: skip
+    except ValueError as err:  # a tool the format's markup cannot write
+        raise _bad("tools", str(err)) from None
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
     return SamplingParams(max_tokens=req.max_tokens, stop=req.stop, include_stop_str_in_output=bool(req.stop),
                           temperature=d["temperature"] if req.temperature is None else float(req.temperature),

@@ -14,11 +14,10 @@ reported as -9999.0, since JSON has no infinity. Streams: a role chunk per choic
 (a call's id and name first with `arguments: ""`, then its arguments), one finish chunk per choice, a usage
 chunk with `choices: []` when asked, then `data: [DONE]`. Tool calls are parsed by the server's tool-call parser
 (`ServerState.tool_parser`, `astrai.serve.tool_parsers`); a forced call (tool_choice "required" / named) is
-grammar-constrained to Hermes markup (`openai_protocol`), parsed by the hermes parser, so it always parses and
-finishes with "tool_calls" (when the token budget cuts a further parallel call short, that call is dropped and the
-reply, its complete calls, still finishes with "tool_calls"). tool_choice "auto" with the hermes parser is
-constrained to text, or text then well-formed calls; `parallel_tool_calls: false` is enforced for forced calls and
-for that "auto".
+grammar-constrained to that format's markup (`tool_grammars`), so it always parses and finishes with
+"tool_calls" (when the token budget cuts a further parallel call short, that call is dropped and the reply, its
+complete calls, still finishes with "tool_calls"). tool_choice "auto" is constrained to text, or text then
+well-formed calls; `parallel_tool_calls: false` is enforced for both.
 
 A completions request with a list of prompts submits one engine request per prompt (all or none: if the queue
 fills up midway, the queued ones are aborted and the client gets a 429); choice `index` is `prompt_index * n +

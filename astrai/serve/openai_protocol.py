@@ -12,14 +12,13 @@ Chat completions accept:
   Everything reaches the prompt through the model's chat template, so tool results are seen on the next turn.
 - `tools` (type "function": name matching ^[a-zA-Z0-9_-]{1,64}$, unique; optional description and an object
   JSON-schema `parameters`) and `tool_choice`: "none" (tools not rendered, output not parsed), "auto" (default with
-  tools: with the hermes tool-call parser, a grammar allows text, or text then well-formed calls,
-  `tools_common.auto_call_grammar`; with other parsers unconstrained), "required" or `{"type": "function",
-  "function": {"name": ...}}`: a grammar (`tools_common.forced_call_grammar`, `SamplingParams.grammar` with param
-  "tool_choice") lets the model write only Hermes `<tool_call>` calls to one of the tools (or the named one) whose
-  arguments match its parameters, then end; `parallel_tool_calls: false` allows exactly one call, true / absent one
-  or more. The output is parsed by the server's tool-call parser (`astrai.serve.tool_parsers`; forced calls by the
-  hermes one); parsed calls come back as `tool_calls` with `arguments` a JSON string of an object, and finish_reason
-  "tool_calls".
+  tools: a grammar allows text, or text then well-formed calls, `tool_grammars.auto_call_grammar`), "required" or
+  `{"type": "function", "function": {"name": ...}}`: a grammar (`tool_grammars.forced_call_grammar`,
+  `SamplingParams.grammar` with param "tool_choice") lets the model write only calls to one of the tools (or the
+  named one) whose arguments match its parameters, then end; both in the server's tool-call format (hermes,
+  mistral, llama3_json, qwen3_coder, deepseek_v3); `parallel_tool_calls: false` allows exactly one call, true /
+  absent one or more. The output is parsed by the server's tool-call parser (`astrai.serve.tool_parsers`); parsed
+  calls come back as `tool_calls` with `arguments` a JSON string of an object, and finish_reason "tool_calls".
 - sampling: `n` (<= 16), `temperature` [0, 2], `top_p`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
   `seed`, `stop` (a string or <= 16 strings), `max_tokens` / `max_completion_tokens` (default: the server's
   sampling default, else the rest of the context), `logprobs` + `top_logprobs` (0..20), `stream` +
@@ -35,7 +34,7 @@ Chat completions accept:
   `add_generation_prompt` (true only, or false with `continue_final_message`), `echo` (the final message's text,
   when it is an assistant's, starts the reply), `add_special_tokens` (false only: the template places them).
 - no-ops: `model` may be any string (the served name is echoed); `user`, `store`, `metadata`, `service_tier`,
-  `parallel_tool_calls` (except with a forced call or the hermes "auto" grammar), `safety_identifier`,
+  `safety_identifier`,
   `prompt_cache_key` are accepted and ignored.
 - structured output (both routes): `response_format` (text, json_object, json_schema) or one of vLLM's
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (`sampling_fields.grammar_spec`; the engine
@@ -85,8 +84,9 @@ from astrai.serve.sampling_fields import (
     sampling_params,
     show,
 )
+from astrai.serve.tool_grammars import tool_call_grammar
 from astrai.serve.tool_parsers import tool_schemas
-from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_call_grammar, tool_names
+from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_names
 
 if TYPE_CHECKING:
     from astrai.io.tokenizer import Tokenizer
@@ -295,7 +295,7 @@ class ChatRequest:
     include_usage: bool
     parse: bool  # whether tool calls are parsed from the output (tools given, tool_choice not "none")
     tool_names: tuple[str, ...]
-    forced: bool  # tool_choice "required" / named: the grammar forces Hermes calls (parsed by the hermes parser)
+    forced: bool  # tool_choice "required" / named: the grammar forces calls (the output holds nothing else)
     echo: str = ""  # text put before each choice's content (`echo` with a final assistant message)
     tool_schemas: dict[str, Any] = attrs.Factory(dict)  # name -> parameters of the rendered tools
 
@@ -312,8 +312,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
         tokenizer: the served model's tokenizer (None: chat is refused).
         vocab_size: token ids (logit_bias keys, stop_token_ids) must be below it.
         context: tokens one sequence may hold, prompt and completion together.
-        tool_parser: the server's tool-call format: with `hermes`, tool_choice "auto" is grammar-constrained too
-            (`tools_common.auto_call_grammar`); other formats leave "auto" unconstrained.
+        tool_parser: the server's tool-call format, in which tool calls are grammar-constrained
+            (`tool_grammars.tool_call_grammar`).
         allow_special_tokens: special-token text in the messages becomes control tokens (by default it is
             encoded as plain text, see `Tokenizer.encode_chat`).
         defaults: the server's sampling defaults for unset fields (`sampling_fields`).
@@ -367,12 +367,15 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
 
 def _constrain_calls(params: SamplingParams, tools: list[dict], forced: str | None, body: dict, tokenizer: Tokenizer,
                      tool_parser: str) -> SamplingParams:  # fmt: skip
-    """`params` with `tools_common.tool_call_grammar` (one call when `parallel_tool_calls` is false)."""
+    """`params` with `tool_grammars.tool_call_grammar` (one call when `parallel_tool_calls` is false)."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
-    grammar, special = tool_call_grammar(tools, forced, parallel=parallel is not False, tokenizer=tokenizer,
-                                         tool_parser=tool_parser)  # fmt: skip
+    try:
+        grammar, special = tool_call_grammar(tools, forced, parallel=parallel is not False, tokenizer=tokenizer,
+                                             tool_parser=tool_parser)  # fmt: skip
+    except ValueError as err:  # a tool the format's markup cannot write
+        raise bad("tools", str(err)) from None
     if grammar is None:
         return params
     # a special-token tag must reach the parser as text (the grammar allows no other special token but EOS)

@@ -181,7 +181,7 @@ class ToolCallParser:
         Args:
             tool_names: allowed function names (None: any); a call to another name stays text.
             prefix: text pre-filled into the assistant turn: parsed, never emitted.
-            forced: the output is grammar-forced calls (`tools_common.forced_call_grammar`): a call cut short by
+            forced: the output is grammar-forced calls (`tool_grammars.forced_call_grammar`): a call cut short by
                 the token budget at the end is dropped rather than given back as text.
         """
         self._forced = forced

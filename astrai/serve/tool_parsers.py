@@ -23,8 +23,8 @@ end of the output) and is decoded whole.
 `detect_parser(chat_template)` picks the format from the template's text (`[TOOL_CALLS]` -> mistral,
 `<function=` -> qwen3_coder, `<|python_tag|>` -> llama3_json, `tool▁calls▁begin` -> deepseek_v3, else hermes);
 `astrai serve --tool-call-parser NAME` (`build_app(tool_call_parser=...)`) overrides it. Forced calls
-(tool_choice required / named / any / tool) are grammar-constrained to the Hermes format and parsed by `hermes`
-whatever the setting (`tools_common.forced_call_grammar`).
+and tool_choice "auto" are grammar-constrained in the same format (`tool_grammars`), so the
+format's parser reads them; a forced output's parser (`forced=True`) drops what is not a complete call.
 """
 
 from __future__ import annotations
@@ -97,29 +97,77 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
         out.append(value)
 
 
+class _Strings:
+    """Where a marker first occurs outside JSON strings, scanned incrementally (a streaming region is scanned once,
+    not again at every delta)."""
+
+    def __init__(self, pos: int = 0) -> None:
+        self.pos, self.in_string, self.escaped = pos, False, False
+
+    def find(self, text: str, marker: str) -> int:
+        """Index of `marker` in `text` at or after the scan position, outside strings; -1 for none yet (a marker
+        split at the end of `text` is looked at again when more text comes)."""
+        i = self.pos
+        while i < len(text):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c == marker[0] and (text.startswith(marker, i) or marker.startswith(text[i:])):
+                self.pos = i
+                return i if text.startswith(marker, i) else -1
+            i += 1
+        self.pos = i
+        return -1
+
+
+def _split_outside_strings(text: str, marker: str) -> list[str]:
+    """`text.split(marker)`, except where the marker is inside a JSON string (an argument may quote markup)."""
+    pieces, start, scan = [], 0, _Strings()
+    while (i := scan.find(text, marker)) >= 0:
+        pieces.append(text[start:i])
+        start = scan.pos = i + len(marker)
+    return [*pieces, text[start:]]
+
+
 class MarkupParser(abc.ABC):
     """Streaming parser for a format with a start marker and a region decoded whole (see the module docstring).
 
     Subclasses set OPEN, CLOSE (None: the region runs to the end of the output), BARE (an output that starts
-    with `{` / `[` is a region too) and `decode`.
+    with `{` / `[` is a region too), CALL_ENDS / REPAIRS (how a cut region's complete calls are found) and
+    `decode`.
     """
 
     OPEN: str = ""
     CLOSE: str | None = None
     BARE: bool = False
+    JSON: bool = True  # markers inside a region's JSON strings are text (False: the region is not JSON)
+    CALL_ENDS: tuple[str, ...] = ("}",)  # where a call can end inside a region (a forced output's salvage)
+    REPAIRS: tuple[str, ...] = ()  # what closes a region cut after a complete call
 
-    def __init__(self, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
+                 forced: bool = False) -> None:  # fmt: skip
         """Start a parse.
 
         Args:
             tool_names: allowed function names (None: any); a call to another name stays text.
             tools: name -> the tool's parameter schema (qwen3_coder types its values by it).
+            forced: the output is grammar-forced calls (`tool_grammars.forced_call_grammar`): it holds no text, so
+                whatever is not a complete call (one the token budget cut short) is dropped, not given back as text.
         """
+        self._forced = forced
         self.tool_names = None if tool_names is None else frozenset(tool_names)
         self.tools = dict(tools or {})
         self.calls: list[ToolCall] = []
         self.text = ""
         self._buf, self._cur, self._tag_at, self._mode = "", 0, 0, "start"  # start | text | region | after
+        self._strings: _Strings | None = None  # the open region's scan for CLOSE (JSON formats)
         self._events: list[Event] = []
 
     @abc.abstractmethod
@@ -152,7 +200,7 @@ class MarkupParser(abc.ABC):
         return merged
 
     def _emit_text(self, piece: str) -> None:
-        if piece:
+        if piece and not self._forced:
             self.text += piece
             self._events.append(TextDelta(piece))
 
@@ -191,23 +239,43 @@ class MarkupParser(abc.ABC):
 
     def _region(self, final: bool) -> bool:
         close = None if self._bare else self.CLOSE
-        end = -1 if close is None else self._buf.find(close, self._cur)
+        if close is None:
+            end = -1
+        elif self.JSON:
+            if self._strings is None or self._strings.pos < self._cur:
+                self._strings = _Strings(self._cur)
+            end = self._strings.find(self._buf, close)
+        else:
+            end = self._buf.find(close, self._cur)
         if end < 0 and not final:
             return False
         region = self._buf[self._cur : end if end >= 0 else len(self._buf)]
         stop = end + len(close) if end >= 0 and close is not None else len(self._buf)
         decoded = self.decode(region)
-        if decoded is None:  # the markup becomes text, as written
+        if decoded is None and final and self._forced:
+            decoded = self._salvage(region)
+        if decoded is None:  # the markup becomes text, as written (dropped from a forced output)
             self._emit_text(self._buf[self._tag_at : stop])
-            self._cur, self._mode = stop, "text"
+            self._cur, self._mode, self._strings = stop, "text", None
             return True
         for name, args in decoded:
             call = ToolCall(id=new_call_id(), name=name, arguments=args)
             index = len(self.calls)
             self.calls.append(call)
             self._events += [ToolCallStart(index, call.id, name), ToolCallArgs(index, args), ToolCallEnd(index)]
-        self._cur, self._mode = stop, "after"
+        self._cur, self._mode, self._strings = stop, "after", None
         return True
+
+    def _salvage(self, region: str) -> Decoded:
+        """A forced output that the budget cut short: its complete calls, from the longest start of the region
+        that decodes (ending after one of `CALL_ENDS`, with one of `REPAIRS` appended); the last 64 tried."""
+        ends = sorted({m.end() for end in self.CALL_ENDS for m in re.finditer(re.escape(end), region)})
+        for k in reversed(ends[-64:]):
+            for repair in ("", *self.REPAIRS):
+                decoded = self.decode(region[:k] + repair)
+                if decoded:
+                    return decoded
+        return None
 
     def _after(self, final: bool) -> bool:
         j = _skip_ws(self._buf, self._cur)
@@ -220,12 +288,12 @@ class MarkupParser(abc.ABC):
 class MistralParser(MarkupParser):
     """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]NAME[ARGS]{...}` (v11+)."""
 
-    OPEN = "[TOOL_CALLS]"
+    OPEN, REPAIRS = "[TOOL_CALLS]", ("]",)
     _NAMED = re.compile(r"\s*([a-zA-Z0-9_.-]{1,64})(?:\[ARGS\]|(?=\{))(.*)\Z", re.S)
 
     def decode(self, region: str) -> Decoded:
         out: list[tuple[str, str]] = []
-        for piece in region.split(self.OPEN):  # several calls may each carry the marker
+        for piece in _split_outside_strings(region, self.OPEN):  # several calls may each carry the marker
             if not piece.strip():
                 continue
             named = self._NAMED.match(piece)
@@ -251,7 +319,7 @@ class Llama3JsonParser(MarkupParser):
     OPEN, BARE = "<|python_tag|>", True
 
     def decode(self, region: str) -> Decoded:
-        values = _json_values(region.replace(self.OPEN, ";"), ";")
+        values = _json_values(";".join(_split_outside_strings(region, self.OPEN)), ";")
         out = []
         for value in values or [None]:
             if not isinstance(value, dict):
@@ -267,7 +335,7 @@ class DeepSeekV3Parser(MarkupParser):
     """DeepSeek V3's tool tokens: the calls region, each call `function<｜tool▁sep｜>NAME` and a ```json fence
     (V3.1: `NAME<｜tool▁sep｜>{...}`)."""
 
-    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    OPEN, CLOSE, CALL_ENDS = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", ("<｜tool▁call▁end｜>",)
     _BEGIN, _SEP, _END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     _FENCED = re.compile(r"([^\n]+)\n```(?:json)?\n(.*)\n```\Z", re.S)
 
@@ -275,9 +343,10 @@ class DeepSeekV3Parser(MarkupParser):
         out = []
         rest = region.strip(_WS)
         while rest:
-            if not rest.startswith(self._BEGIN) or self._END not in rest:
+            end = _Strings(len(self._BEGIN)).find(rest, self._END) if rest.startswith(self._BEGIN) else -1
+            if end < 0:
                 return None
-            body, rest = rest[len(self._BEGIN) :].split(self._END, 1)
+            body, rest = rest[len(self._BEGIN) : end], rest[end + len(self._END) :]
             rest = rest.lstrip(_WS)
             left, sep, right = body.partition(self._SEP)
             if not sep:
@@ -297,7 +366,7 @@ class DeepSeekV3Parser(MarkupParser):
 class Qwen3CoderParser(MarkupParser):
     """Qwen3-Coder's XML calls; parameter values are typed by the tool's schema (a string stays as written)."""
 
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    OPEN, CLOSE, CALL_ENDS, JSON = "<tool_call>", "</tool_call>", ("</function>",), False
     _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
     _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
@@ -325,11 +394,27 @@ class Qwen3CoderParser(MarkupParser):
         return out
 
 
+_JSON_KINDS = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+               (dict, "object"), (type(None), "null"))  # fmt: skip
+
+
+def value_kinds(schema: Any) -> set[str]:
+    """The JSON types a parameter schema names: its `type`, else those of its `enum` / `const` values (empty:
+    unknown). A qwen3_coder value is text when this is empty or holds "string", else JSON."""
+    if not isinstance(schema, dict):
+        return set()
+    kinds = schema.get("type")
+    if kinds is not None:
+        return {kinds} if isinstance(kinds, str) else {k for k in kinds if isinstance(k, str)}
+    values = schema.get("enum", [schema["const"]] if "const" in schema else [])
+    values = values if isinstance(values, list) else []
+    return {next(name for cls, name in _JSON_KINDS if isinstance(v, cls)) for v in values}
+
+
 def _typed(value: str, schema: Any) -> Any:
     """A qwen3_coder parameter value: text for string (or unknown) parameters, else its JSON value (text if the
     JSON does not parse, as vLLM keeps it)."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = {kinds} if isinstance(kinds, str) else set(kinds or ())
+    kinds = value_kinds(schema)
     if not kinds or "string" in kinds:
         return value
     try:
@@ -372,11 +457,9 @@ def detect_parser(chat_template: str | None) -> str:
 
 def new_parser(name: str, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
                forced: bool = False) -> Parser:  # fmt: skip
-    """A fresh streaming parser of format `name` for one output; `forced`: a grammar-forced Hermes output (the
-    hermes parser, which then drops a call that the budget cut short instead of returning it as text)."""
-    if forced:
-        return _hermes(tool_names, tools, forced=True)
-    return PARSERS[check_parser_name(name)](tool_names, tools)
+    """A fresh streaming parser of format `name` for one output; `forced`: a grammar-forced output (only calls:
+    one that the budget cut short is dropped instead of returned as text)."""
+    return PARSERS[check_parser_name(name)](tool_names, tools, forced=forced)
 
 
 def parse(name: str, text: str, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,

@@ -93,11 +93,12 @@ def test_closing_path_finishes_the_grammar(model):
 
 def test_forced_tool_call_with_a_tight_budget_still_parses(model):
     from astrai.serve.tool_calls import parse_tool_calls
-    from astrai.serve.tools_common import forced_call_grammar, function_tool
+    from astrai.serve.tool_grammars import forced_call_grammar
+    from astrai.serve.tools_common import function_tool
 
     tools = [function_tool("note", None, {"type": "object", "properties": {"text": {"type": "string"}},
                                           "required": ["text"]})]  # fmt: skip
-    source, _ = forced_call_grammar(tools, parallel=False)
+    source, _, _ = forced_call_grammar(tools, parallel=False)
     spec = GrammarSpec(kind="lark", source=source, param="tool_choice")
     with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=8192)) as engine:
         # this tokenizer spells the markup nearly a character per token: the shortest call is longer than WINDOW
@@ -115,9 +116,10 @@ def test_forced_tool_call_with_a_tight_budget_still_parses(model):
 def test_free_text_under_tool_choice_auto_is_not_cut_early(model):
     """A grammar that may end where it stands (text under the "auto" tool grammar) is left alone: the budget
     runs out as usual ("length", every token used), no steering."""
-    from astrai.serve.tools_common import auto_call_grammar, function_tool
+    from astrai.serve.tool_grammars import auto_call_grammar
+    from astrai.serve.tools_common import function_tool
 
-    source, _ = auto_call_grammar([function_tool("note", None, {"type": "object"})])
+    source, _, _ = auto_call_grammar([function_tool("note", None, {"type": "object"})])
     spec = GrammarSpec(kind="lark", source=source, param="tool_choice")
     params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, grammar=spec) for s in SEEDS]
     with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=8192)) as engine:

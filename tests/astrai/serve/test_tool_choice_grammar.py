@@ -18,7 +18,9 @@ import openai
 import pytest
 
 from astrai.serve.tool_calls import parse_tool_calls
-from astrai.serve.tools_common import call_schema, forced_call_grammar, function_tool
+from astrai.serve.tool_grammars import call_schema, forced_call_grammar
+from astrai.serve.tools_common import function_tool
+from helpers import engine_with_added_tokens, grammar_takes
 
 MODEL = "tiny-test"
 USER = [{"role": "user", "content": "what is the weather?"}]
@@ -146,9 +148,9 @@ def test_grammar_text_and_special_tags():
             return {"<tool_call>": [7], "</tool_call>": [8]}.get(text, [1, 2])
 
     tools = [function_tool(n, None, p) for n, p in PARAMS.items()]
-    plain, special = forced_call_grammar(tools, "add", parallel=False)
-    assert not special and plain.count("%json") == 1 and '"<tool_call>"' in plain and "call (" not in plain
-    text, special = forced_call_grammar(tools, tokenizer=Tok())
+    plain, special, _ = forced_call_grammar(tools, "add", parallel=False)
+    assert not special and plain.count("%json") == 1 and '"<tool_call>"' in plain and "call_rest)*" not in plain
+    text, special, _ = forced_call_grammar(tools, tokenizer=Tok())
     assert special and "<[7]>" in text and "<[8]>" in text and text.count("%json") == 2
     with pytest.raises(ValueError):
         forced_call_grammar(tools, "missing")
@@ -176,31 +178,11 @@ AUTO_CASES = [  # (output, allowed with parallel calls, allowed with one call)
 ]
 
 
-def _walk(view, grammar, ids) -> bool:
-    """Whether the grammar takes `ids` token by token (each in the mask) and may end after them."""
-    from astrai.inference.grammar import (
-        accept,
-        allocate_bitmask,
-        bitmask_allowed,
-        fill_bitmask,
-        is_accepting,
-        new_matcher,
-    )
-
-    matcher = new_matcher(grammar)
-    for token in ids:
-        mask = allocate_bitmask(1, view.vocab_size)
-        fill_bitmask(matcher, mask[0])
-        if not bitmask_allowed(mask, view.vocab_size)[0, token] or not accept(matcher, token):
-            return False
-    return is_accepting(matcher)
-
-
 @pytest.mark.parametrize("special_tags", [False, True])
 def test_auto_grammar_takes_text_or_well_formed_calls(server, special_tags):
     from astrai.inference.grammar import build_view, compile_grammar
     from astrai.io.tokenizer import train_tokenizer
-    from astrai.serve.tools_common import auto_call_grammar
+    from astrai.serve.tool_grammars import auto_call_grammar
 
     tok = server.tokenizer
     if special_tags:  # `<tool_call>` / `</tool_call>` as special tokens, as in real Qwen vocabularies
@@ -209,49 +191,32 @@ def test_auto_grammar_takes_text_or_well_formed_calls(server, special_tags):
     view = build_view(tok, vocab_size=tok.vocab_size)
     tools = [function_tool(n, None, p) for n, p in PARAMS.items()]
     for parallel in (True, False):
-        source, special = auto_call_grammar(tools, parallel=parallel, tokenizer=tok)
+        source, special, _ = auto_call_grammar(tools, parallel=parallel, tokenizer=tok)
         assert special == special_tags
         grammar = compile_grammar(view, source)
         for text, many, one in AUTO_CASES:
             if special_tags and "<tool_call> and" in text:
                 continue  # with special tags that text is the plain-text spelling, which the grammar also refuses
             ids = tok.encode(text, add_special_tokens=False)
-            assert _walk(view, grammar, ids) == (many if parallel else one), (parallel, text)
+            assert grammar_takes(view, grammar, ids) == (many if parallel else one), (parallel, text)
 
 
 @pytest.fixture(scope="module")
 def tag_engine():
     """A tiny random model whose vocabulary has `<tool_call>` / `</tool_call>` as added plain (not special) tokens,
     as Qwen2.5's has, so a logit_bias can make it open a call at once; the grammar must then finish the call."""
-    from astrai.inference.engine import Engine, EngineConfig
-    from astrai.io.model import Model
-    from astrai.io.tokenizer import Tokenizer, train_tokenizer
-    from astrai.models.config import ModelConfig
-    from astrai.models.decoder import init_params
-
-    trained = train_tokenizer([CALL, "plain words here"] * 20, vocab_size=300)
-    backend = trained.backend
-    backend.add_tokens(["<tool_call>", "</tool_call>"])  # added, not special: they match text
-    tok = Tokenizer(backend, special_tokens=trained.special_tokens_map, eos_token_ids=trained.eos_token_ids)
-    assert len(tok.encode("<tool_call>", add_special_tokens=False)) == 1 and tok.special_token_ids.isdisjoint(
-        tok.encode("<tool_call></tool_call>", add_special_tokens=False)
-    )
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                      eos_token_id=(tok.eos_token_id,))  # fmt: skip
-    model = Model(config=cfg, params=init_params(cfg, seed=0), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
-    with Engine(model, EngineConfig(max_running=8, compile=False, kv_budget_tokens=8192)) as engine:
+    with engine_with_added_tokens([CALL, "plain words here"] * 20, ["<tool_call>", "</tool_call>"]) as engine:
         yield engine
 
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_call_the_model_starts_under_auto_is_always_finished_and_valid(tag_engine, parallel):
     from astrai.inference.params import GrammarSpec, SamplingParams
-    from astrai.serve.tools_common import auto_call_grammar
+    from astrai.serve.tool_grammars import auto_call_grammar
 
     tok = tag_engine.model.tokenizer
     tag = tok.encode("<tool_call>", add_special_tokens=False)[0]
-    source, _ = auto_call_grammar([function_tool(n, None, p) for n, p in PARAMS.items()], parallel=parallel)
+    source, _, _ = auto_call_grammar([function_tool(n, None, p) for n, p in PARAMS.items()], parallel=parallel)
     grammar = GrammarSpec(kind="lark", source=source, param="tool_choice")
     prompt = tok.encode("plain words", add_special_tokens=False)
     runs = [SamplingParams(max_tokens=BUDGET, temperature=1.0, seed=s, logit_bias={tag: 100.0}, grammar=grammar)
@@ -276,12 +241,12 @@ def test_anthropic_auto_is_constrained_too(anth, monkeypatch):
     body = {"model": "m", "max_tokens": 64, "messages": USER,
             "tools": [{"name": n, "input_schema": p} for n, p in PARAMS.items()]}  # fmt: skip
     auto = sampling_params(parse_request(body))
-    assert auto.grammar is not None and "lead[stop=" in auto.grammar.source and '("\\n" call)*' in auto.grammar.source
+    assert auto.grammar is not None and "lead[stop=" in auto.grammar.source and "call_rest)*" in auto.grammar.source
     single = sampling_params(
         parse_request({**body, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}})
     )
-    assert '("\\n" call)*' not in single.grammar.source
-    assert sampling_params(parse_request(body), tool_parser="mistral").grammar is None  # other formats: free
+    assert "call_rest)*" not in single.grammar.source
+    assert "[TOOL_CALLS]" in sampling_params(parse_request(body), tool_parser="mistral").grammar.source
     assert sampling_params(parse_request({**body, "tool_choice": {"type": "none"}})).grammar is None
     reply = anth.messages.create(**body, extra_body={"temperature": 1.0, "seed": 1})  # the real route takes it
     assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")

@@ -56,6 +56,13 @@ GOOD = [
     ("qwen3_coder", coder_call(*W).removesuffix("\n</tool_call>"), "", [W]),  # stopped before the closing tag
     ("deepseek_v3", f"Hi{DS_B}{ds_call(*W)}\n{ds_call(*A)}{DS_E}", "Hi", [W, A]),
     ("deepseek_v3", f"{DS_B}{DS_CB}get_weather{DS_SEP}{json.dumps(W[1])}{DS_CE}{DS_E} done", "done", [W]),  # V3.1
+    # markup quoted inside a JSON string is argument text, not a marker
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"s": "see [TOOL_CALLS] here"}}]', "",
+     [("add", {"s": "see [TOOL_CALLS] here"})]),
+    ("llama3_json", '{"name": "add", "parameters": {"s": "a <|python_tag|> b"}}', "",
+     [("add", {"s": "a <|python_tag|> b"})]),
+    ("deepseek_v3", f"{DS_B}{ds_call('add', {'s': f'x{DS_CE}{DS_E}y'})}{DS_E}", "",
+     [("add", {"s": f"x{DS_CE}{DS_E}y"})]),
 ]  # fmt: skip
 
 BAD = [  # malformed markup: the whole output comes back as text, no call
@@ -109,12 +116,32 @@ def test_malformed_markup_is_text(name, text):
         assert summary(stream(name, text, random.Random(seed))[0]) == (text, [])
 
 
-def test_forced_hermes_drops_a_call_cut_short_by_the_budget():
-    done = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    for tail in ('\n<tool_call>\n{"name": "get_we', "\n<tool_", "\n"):
-        # a forced output is Hermes markup whatever the server's parser (the grammar writes it)
-        assert summary(stream("mistral", done + tail, random.Random(0), forced=True)[0]) == ("", [("add", {"a": 1})])
-    text, calls = parse("hermes", done + "\n<tool_")
+ADD1 = ("add", {"a": 1})
+CUT = {  # format: (one complete forced call as that format's grammar writes it, tails the budget may cut it at)
+    "hermes": (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+        ('\n<tool_call>\n{"name": "get_we', "\n<tool_", "\n"),
+    ),
+    "qwen3_coder": (
+        "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+        ("\n<tool_call>\n<function=get_weather>\n<parameter=ci", "\n<tool_"),
+    ),
+    "mistral": ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}', (', {"name": "get_we', ", ", "")),
+    "llama3_json": ('{"name": "add", "parameters": {"a": 1}}', ('; {"name": "get_we', "; ")),
+    "deepseek_v3": (f"{DS_B}{ds_call('add', {'a': 1})}", (f"\n{DS_CB}function{DS_SEP}get_", "\n", "")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT))
+def test_a_forced_output_drops_a_call_cut_short_by_the_budget(name):
+    done, tails = CUT[name]
+    for tail in tails:
+        for seed in range(3):
+            events, parser = stream(name, done + tail, random.Random(seed), forced=True)
+            assert summary(events) == ("", [ADD1]) and parser.text == "", (tail, summary(events))
+        text, calls = parse(name, done + tail, NAMES, SCHEMAS, forced=True)
+        assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [ADD1]
+    text, calls = parse("hermes", CUT["hermes"][0] + "\n<tool_")
     assert text == "<tool_" and len(calls) == 1  # unforced: the tail is text
 
 
