@@ -130,3 +130,13 @@ def test_structured_smoke_reports_json(tmp_path):
     assert (free["mode"], schema["mode"]) == ("free", "json_schema")
     assert free["tokens"] == schema["tokens"] > 0 and schema["vs_free"] > 0
     assert report["masks"]["masks"] > 0 and report["masks"]["single_us_p50"] > 0
+
+
+def test_profile_step_smoke_measures_both_step_kinds(tmp_path):
+    """profile_step: a decode and a mixed step were timed and profiled; the eager prefill's GEMMs were found (the
+    CPU path counts aten::mm), and it runs more operators than the compiled decode step."""
+    report = _smoke("profile_step.py", tmp_path, timeout=600, args=("--trace-dir", str(tmp_path / "traces")))
+    decode, mixed = report["rows"]
+    assert (decode["step"], mixed["step"]) == ("decode", "mixed") and decode["ms"] > 0 and mixed["ms"] > 0
+    assert mixed["gemm_ms"] > 0 and mixed["x_gemm"] >= 1 and mixed["launches"] > decode["launches"] > 0
+    assert all(Path(row["trace"]).is_file() and row["top"] for row in report["rows"])

@@ -1,0 +1,187 @@
+"""Profile one engine step: a mixed step (R decoding rows + one prefill of P new tokens) and a pure decode step.
+
+Issue 16 item 1 asks where a step's time goes: on the H200 a decode step replays from CUDA graphs in ~3.5 ms,
+while every step that carries prefill cost ~43 ms whatever its size. This script runs the engine the way
+`astrai serve` does (`Engine`, compiled decode, CUDA graphs on CUDA), warms each step shape, then records one
+step of each kind under `torch.profiler` and reports:
+
+- the step's wall time (median of `--repeats` unprofiled steps of the same shape, each with a fresh prefill);
+- its GEMM time: the device time of the matrix-multiply kernels (CUDA: kernel names with gemm / matmul /
+  cutlass / xmma; CPU: self time of aten::mm / addmm / bmm), so `step / GEMM` says how much of the step is not
+  GEMM (the issue's goal: <= 1.5x at >= 512 new tokens, <= 6 ms at 128 on the 135M model on an H100/H200);
+- kernels launched per step (CUDA: kernel events, graph-replayed ones included) or aten ops (CPU);
+- the top operators by self time, and a Chrome trace per step in `--trace-dir` (open in Perfetto).
+
+Prints rich tables and the JSON report as the last stdout line. `--smoke`: a tiny config in seconds (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import console, emit, table
+from torch.profiler import ProfilerActivity, profile
+
+import astrai
+from astrai.configs.models import NAMED
+from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.params import SamplingParams
+from astrai.io.model import Model, save
+from astrai.models.decoder import init_params
+
+RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
+GEMM_KERNEL = re.compile(r"gemm|matmul|cutlass|xmma|wgmma", re.I)
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm"}
+
+
+def build(name: str, dtype: torch.dtype, device: str) -> Model:
+    """Random weights of a named config (`astrai.configs.models.NAMED`), loaded the way users load a folder."""
+    cfg = NAMED[name]()
+    model = Model(config=cfg, params=init_params(cfg, seed=0), tokenizer=None, eos_token_ids=())
+    folder = Path(tempfile.mkdtemp(prefix="profile_step_"))
+    save(model, folder)
+    return astrai.load(folder, dtype=dtype, device=device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Workload:
+    """R long-running decode rows; `mixed()` adds a P-token prompt and runs the step that prefills it."""
+
+    def __init__(self, engine: Engine, rows: int, device: str) -> None:
+        cfg = engine.model.config
+        self.engine, self.vocab, self.device, self.seed = engine, cfg.vocab_size, device, 0
+        # long enough for every step this script runs (a few dozen), within the context
+        long = SamplingParams(max_tokens=min(1024, cfg.max_position_embeddings - 17), temperature=0.0, ignore_eos=True)
+        self.decoders = [engine.submit(self._prompt(16), long) for _ in range(rows)]
+        for _ in range(3):  # prefill the rows, then decode a little: every row decodes from here on
+            engine.step()
+
+    def _prompt(self, n: int) -> list[int]:
+        self.seed += 1
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randint(3, self.vocab, (n,), generator=g).tolist()
+
+    def mixed(self, new_tokens: int) -> None:
+        """One step with the decode rows and a fresh (never cached) prompt of `new_tokens` tokens."""
+        self.engine.submit(self._prompt(new_tokens), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        self.engine.step()
+        _sync(self.device)
+
+    def decode(self) -> None:
+        self.engine.step()
+        _sync(self.device)
+
+
+def timed(fn, repeats: int) -> tuple[float, float, float]:
+    """(median, min, max) milliseconds of `fn()` over `repeats` calls."""
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(out), min(out), max(out)
+
+
+def profiled(fn, device: str, trace: Path | None) -> dict:
+    """Run `fn` once under the profiler: GEMM device time, kernel (or op) count, top operators."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    if device == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        gemm_us = sum(e.device_time_total for e in kernels if GEMM_KERNEL.search(e.name))
+        device_us = sum(e.device_time_total for e in kernels)
+        count = len(kernels)
+        key = "self_device_time_total"
+    else:
+        ops = [e for e in events if e.name.startswith("aten::")]
+        gemm_us = sum(e.self_cpu_time_total for e in ops if e.name in GEMM_OPS)
+        device_us = None
+        count = len(ops)
+        key = "self_cpu_time_total"
+    averages = sorted(prof.key_averages(), key=lambda a: getattr(a, key), reverse=True)
+    top = [{"op": a.key[:60], "calls": a.count, "self_ms": getattr(a, key) / 1e3} for a in averages[:12]]
+    return {"gemm_ms": gemm_us / 1e3, "device_ms": None if device_us is None else device_us / 1e3,
+            "launches": count, "top": top}  # fmt: skip
+
+
+def run(args) -> dict:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = build(args.config, dtype, device)
+    trace_dir = args.trace_dir
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    config = EngineConfig(background=False, max_running=args.rows + 4, max_step_tokens=max(args.prefill) + args.rows,
+                          kv_budget_tokens=args.rows * 1024 + 4 * max(args.prefill), prefix_cache=False,
+                          compile=not args.no_compile)  # fmt: skip
+    rows = []
+    with Engine(model, config) as engine:
+        work = Workload(engine, args.rows, device)
+        shapes = [("decode", 0), *(("mixed", p) for p in args.prefill)]
+        for kind, new in shapes:
+            step = work.decode if kind == "decode" else (lambda n=new: work.mixed(n))
+            for _ in range(args.warmup):  # compile, autotune, capture
+                step()
+            ms, lo, hi = timed(step, args.repeats)
+            trace = trace_dir / f"step_{kind}_{new}.json" if trace_dir is not None else None
+            prof = profiled(step, device, trace)
+            rows.append({"step": kind, "new_tokens": new, "decode_rows": args.rows, "ms": ms, "ms_min": lo,
+                         "ms_max": hi, **prof, "x_gemm": ms / prof["gemm_ms"] if prof["gemm_ms"] else None,
+                         "trace": str(trace) if trace else None})  # fmt: skip
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"benchmark": "profile_step", "config": args.config, "device": name, "dtype": args.dtype,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "compiled": not args.no_compile,
+            "repeats": args.repeats, "rows": rows}  # fmt: skip
+
+
+def show(r: dict) -> None:
+    console.print(table(f"one engine step, {r['config']} {r['dtype']} on {r['device']} (median of {r['repeats']})",
+                        r["rows"], [("step", "s"), ("new_tokens", "d"), ("decode_rows", "d"), ("ms", ".2f"),
+                                    ("gemm_ms", ".2f"), ("x_gemm", ".2f"), ("launches", "d")]))  # fmt: skip
+    for row in r["rows"]:
+        console.print(table(f"top operators by self time: {row['step']} step, {row['new_tokens']} new tokens",
+                            row["top"], [("op", "s"), ("calls", "d"), ("self_ms", ".3f")]))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="smollm2-135m", choices=sorted(NAMED))
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--rows", type=int, default=8, help="decoding sequences in every step")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[128, 512, 2048], help="new tokens of a mixed step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no-compile", action="store_true", help="eager steps (EngineConfig(compile=False))")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="write one Chrome trace per step kind here")
+    parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.smoke:
+        args.config, args.rows, args.prefill, args.warmup, args.repeats = "tiny", 2, [16], 1, 2
+    report = run(args)
+    show(report)
+    emit(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
