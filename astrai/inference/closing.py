@@ -21,7 +21,8 @@ onto a short way to finish its grammar, so it ends complete, with finish_reason 
   covers what one freely sampled token can add to the path (a token that opens an object or starts a new key).
   Until steering starts the path is recomputed every step once it is near, and more sparsely while the budget
   still exceeds it by a lot (every `slack / (GROWTH + 1)` tokens, assuming a free token adds at most `GROWTH`
-  tokens to it), so a sequence pays a handful of rollouts, not one per step.
+  tokens to it, and reserving one jump of the shortest document's length, as when one token starts a further
+  tool call), so a sequence pays a handful of rollouts, not one per step.
 
 Once the rest of a path is only EOS the output is complete. A JSON document's grammar then finishes it at once
 ("stop"). A complete output that may go on is left to the model, except where going on means a whole further
@@ -241,8 +242,10 @@ class Steering:
                 return path[0]
             return None  # free text (tool_choice "auto"), or room for more: a cut would not break it
         if path is None or len(path) + MARGIN < remaining:
-            # far from the end: the path can grow by at most GROWTH a token, so check again when it could matter
-            slack = remaining - MARGIN - (len(path) if path is not None else 0)
+            # far from the end: the path can grow by at most GROWTH a token, plus one jump of a whole further call
+            # where the grammar repeats (reserved as its shortest document), so check again when it could matter
+            jump = self.shortest if self.shortest > 1 else 0
+            slack = remaining - MARGIN - jump - (len(path) if path is not None else 0)
             self.path, self.next_check = [], produced + max(1, slack // (GROWTH + 1))
             return None
         self.path, self.start, self.steered = path, produced, True

@@ -127,3 +127,47 @@ def test_free_text_under_tool_choice_auto_is_not_cut_early(model):
     texts = [o for o in outs if "<tool_call>" not in o.text]
     assert texts and all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in texts)
     assert all(o.stop_reason is None for o in texts)
+
+
+def _forced(model, fmt: str, params_schema: dict, extra: tuple[int, ...], *, parallel: bool, closers: bool = True):
+    """Forced calls in `fmt` to one tool at budgets of the shortest call plus `extra`: (outputs, parsed calls)."""
+    import attrs
+
+    from astrai.serve.tool_grammars import tool_call_grammar
+    from astrai.serve.tool_parsers import parse
+    from astrai.serve.tools_common import function_tool
+
+    tools = [function_tool("note", None, params_schema)]
+    spec, _ = tool_call_grammar(tools, "", parallel=parallel, tool_parser=fmt)
+    with Engine(model, EngineConfig(compile=False, background=False, kv_budget_tokens=16384)) as engine:
+        shortest = len(closing.closing_path(new_matcher(engine.compile_grammar(spec)), limit=500, closers=spec.closers))
+        spec = spec if closers else attrs.evolve(spec, closers=())
+        params = [SamplingParams(max_tokens=shortest + e, temperature=1.0, seed=s, grammar=spec)
+                  for e in extra for s in SEEDS]  # fmt: skip
+        outs = [c.outputs[0] for c in engine.generate([PROMPT] * len(params), params)]
+    parsed = [parse(fmt, o.text, ["note"], {"note": params_schema}) for o in outs]
+    return outs, parsed
+
+
+def test_parallel_forced_calls_end_where_no_further_call_fits(model):
+    """Forced calls may go on after each complete call; when the rest of the budget could not hold another, the
+    output ends there (EOS forced, stop_reason "budget"): every output is complete calls, never one cut short."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    outs, parsed = _forced(model, "hermes", schema, (1, 30, 90), parallel=True)
+    for out, (text, calls) in zip(outs, parsed, strict=True):
+        assert out.finish_reason == "stop" and calls and not text, out.text
+    assert any(len(calls) > 1 for _, calls in parsed)  # the model did write several calls
+    assert any(o.stop_reason == "budget" for o in outs)
+
+
+def test_a_qwen3_coder_text_value_is_closed_by_its_closer(model):
+    """A qwen3_coder string parameter is free text up to `</parameter>`; the grammar names `\\n</parameter>` as its
+    closer and the rollout writes it, so tight budgets still end in a complete call. Without the closer (the negative
+    control) the rollout cannot leave the text and the same requests are cut."""
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    outs, parsed = _forced(model, "qwen3_coder", schema, (1, 20), parallel=False)
+    for out, (text, calls) in zip(outs, parsed, strict=True):
+        assert out.finish_reason == "stop" and len(calls) == 1 and not text, out.text
+        assert isinstance(json.loads(calls[0].arguments)["text"], str)
+    outs, parsed = _forced(model, "qwen3_coder", schema, (1, 20), parallel=False, closers=False)
+    assert any(o.finish_reason == "length" and not calls for o, (_, calls) in zip(outs, parsed, strict=True))
