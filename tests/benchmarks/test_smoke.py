@@ -132,6 +132,7 @@ def test_structured_smoke_reports_json(tmp_path):
     assert report["masks"]["masks"] > 0 and report["masks"]["single_us_p50"] > 0
 
 
+@pytest.mark.slow  # ~35 s on 2 cores: compiles the decode step
 def test_profile_step_smoke_measures_both_step_kinds(tmp_path):
     """profile_step: a decode and a mixed step were timed and profiled; the eager prefill's GEMMs were found (the
     CPU path counts aten::mm), and it runs more operators than the compiled decode step."""
