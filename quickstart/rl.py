@@ -3,9 +3,11 @@
 The task: the SFT model (`run.py`) only ever saw one phrasing, "What is 47 + 85?". Asked the same sums in other
 words (``PARAPHRASES``, e.g. "What's 47 + 85?"), it answers only some of them exactly, which is the regime where
 GRPO learns: among the G sampled answers to a prompt some are right and some are wrong, so the group advantages
-are informative (the 800-step Muon SFT model answers 36% of them; other arithmetic — a 1-digit operand,
-3-digit operands, three addends, subtraction — scores 0-8%, too far off for rewards to appear in G samples, and
-"what is" in lowercase ~98%, too close). The reward is verifiable (`exact_match:text`: the completion,
+are informative. How well a model answers each phrasing varies from one SFT model to the next (six 800-step
+models answered "What's a + b?" 6.5% to 84% of the time), so the stage first probes the candidates on 100 RL
+prompts each and asks in the one nearest 40% within 20-70% (`choose_paraphrase`; `--grpo.paraphrase` fixes
+one). Other arithmetic (a 1-digit operand, 3-digit operands, three addends, subtraction) scored 0-8%, too far
+off for rewards to appear in G samples. The reward is verifiable (`exact_match:text`: the completion,
 stripped, equals the sum) and RL never sees a reference answer text as a training target, only the 0/1 reward
 of its own samples.
 
@@ -33,7 +35,7 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from astrai.io.model import load
+from astrai.io.model import Model, load
 from astrai.models.config import ModelConfig
 from astrai.quickstart.evaluate import EvalResult, EvalSample, evaluate
 from astrai.quickstart.run import QuickstartSettings, run_quickstart
@@ -44,17 +46,22 @@ from astrai.train.metrics import read_metrics
 from astrai.train.optim import OptimConfig
 from astrai.train.schedule import ScheduleConfig
 
-PARAPHRASES = ("What's {a} + {b}?",)
-"""Question templates of the RL task (problem i uses template i mod len); the SFT model saw only "What is"."""
+PARAPHRASES = ("What's {a} + {b}?", "Compute {a} + {b}.", "What is {a} plus {b}?", "what is {a} + {b}?",
+               "How much is {a} + {b}?", "what's {a} + {b}?", "What's {a}+{b}?")  # fmt: skip
+"""Candidate question templates of the RL task; the SFT model saw only "What is {a} + {b}?". How well a given SFT
+model answers each varies a lot from model to model (the 800-step models here: 6.5-84% on the first), so the RL
+stage probes them and asks in the one that starts nearest `TARGET` (`choose_paraphrase`)."""
 KIND = "add2-paraphrased"
+TARGET, IN_RANGE = 0.4, (0.2, 0.7)  # the start GRPO learns best from: some right and some wrong samples per group
 
 
 @attrs.frozen(kw_only=True)
 class RLSettings:
     """The GRPO stage of `astrai quickstart --rl` (the CLI exposes every field under `--grpo.`)."""
 
-    steps: int = 40
-    """GRPO optimizer steps (one rollout of `batch_size` prompts x `num_generations` samples each)."""
+    steps: int = 80
+    """GRPO optimizer steps (one rollout of `batch_size` prompts x `num_generations` samples each). 80 gained at
+    least as much as 40 from each of six SFT models, 12.5 points more on average (docs/training.md)."""
     batch_size: int = 16
     """Prompts per step."""
     num_generations: int = 8
@@ -72,6 +79,11 @@ class RLSettings:
     """Rows of the before/after sample table."""
     compile: bool = False
     """torch.compile the GRPO step (off: compile time would dominate a run this short)."""
+    paraphrase: str | None = None
+    """The question template ("{a}", "{b}" placeholders); None: probe `PARAPHRASES` and take the one whose
+    accuracy is nearest 40% within 20-70% (or nearest 40% when none is in that range)."""
+    probe_size: int = 100
+    """RL training prompts per candidate template when probing."""
 
 
 @attrs.frozen
@@ -84,18 +96,43 @@ class RLResult:
     train_seconds: float
 
 
-def rl_problems(seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """(RL training prompts, held-out problems): the SFT split's pairs, asked with `PARAPHRASES`."""
+def rl_problems(seed: int = 0, template: str = PARAPHRASES[0]) -> tuple[list[Problem], list[Problem]]:
+    """(RL training prompts, held-out problems): the SFT split's pairs, asked with `template`."""
     sft_train, sft_test = split_problems("add2", seed=seed)
 
     def rephrase(problems: list[Problem]) -> list[Problem]:
         out = []
-        for i, p in enumerate(problems):
+        for p in problems:
             a, b = (int(x) for x in p.question.removeprefix("What is ").removesuffix("?").split(" + "))
-            out.append(Problem(KIND, PARAPHRASES[i % len(PARAPHRASES)].format(a=a, b=b), p.answer))
+            out.append(Problem(KIND, template.format(a=a, b=b), p.answer))
         return out
 
     return rephrase(sft_train), rephrase(sft_test)
+
+
+def pick_paraphrase(accuracies: dict[str, float]) -> str:
+    """The template whose accuracy is nearest `TARGET` among those within `IN_RANGE`, else the one nearest
+    `TARGET` overall (ties: the first). Out of range, a low start is as good as a high one: GRPO lifted models
+    from 6.5% and 19% by 46-71 points, while a start at 74% leaves only 26 to gain."""
+    low, high = IN_RANGE
+    inside = {t: a for t, a in accuracies.items() if low <= a <= high} or accuracies
+    return min(inside, key=lambda t: abs(inside[t] - TARGET))
+
+
+def choose_paraphrase(model: Model, seed: int, size: int, console: Console) -> str:
+    """Probe every `PARAPHRASES` template on `size` RL training prompts (greedy exact match) and pick one
+    (`pick_paraphrase`); prints the probe's table."""
+    accuracies = {}
+    for template in PARAPHRASES:
+        accuracies[template] = evaluate(model, rl_problems(seed, template)[0][:size]).accuracy
+    chosen = pick_paraphrase(accuracies)
+    table = Table(title=f"probe: the SFT model on {size} RL prompts per phrasing")
+    for column in ("question template", "accuracy", ""):
+        table.add_column(column)
+    for template, accuracy in accuracies.items():
+        table.add_row(template, f"{100 * accuracy:.1f}%", "chosen" if template == chosen else "")
+    console.print(table)
+    return chosen
 
 
 def _write_prompts(problems: list[Problem], path: Path) -> Path:
@@ -153,16 +190,18 @@ def run_rl(
     if not (sft_dir / "config.json").is_file() or sft.retrain:
         console.print("[bold]RL quickstart: training the SFT model first[/]")
         run_quickstart(sft, console, model_cfg=model_cfg)
-    train_problems, test_problems = rl_problems(sft.seed)
+    sft_model = load(sft_dir)
+    template = s.paraphrase or choose_paraphrase(sft_model, sft.seed, s.probe_size, console)
+    train_problems, test_problems = rl_problems(sft.seed, template)
     if s.eval_size is not None:
         test_problems = test_problems[: s.eval_size]
     rl_dir = sft.out_dir / "rl"
     console.print(
-        f"RL quickstart: GRPO on {sft_dir} with questions phrased as {' / '.join(PARAPHRASES)!r} "
+        f"RL quickstart: GRPO on {sft_dir} with questions phrased as {template!r} "
         f"({len(train_problems):,} training prompts, {len(test_problems):,} held out), {s.steps} steps of "
         f"{s.batch_size} prompts x {s.num_generations} samples, reward exact_match:text"
     )
-    before = evaluate(load(sft_dir), test_problems)
+    before = evaluate(sft_model, test_problems)
     console.print(f"accuracy before RL: {100 * before.accuracy:.1f}% ({before.correct}/{before.n} held-out problems)")
 
     shutil.rmtree(rl_dir / "train", ignore_errors=True)  # an RL rerun starts over from the SFT model
