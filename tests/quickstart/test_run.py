@@ -13,6 +13,7 @@ from rich.console import Console
 
 from astrai.configs.models import chat_small
 from astrai.io.model import load
+from astrai.quickstart.rl import RLSettings, run_rl
 from astrai.quickstart.run import QuickstartSettings, run_quickstart
 from astrai.train.metrics import read_metrics
 
@@ -27,7 +28,8 @@ def test_reduced_quickstart_learns_two_digit_addition(trained_quickstart):
 
 def test_short_quickstart_runs_the_whole_pipeline(tmp_path):
     """The CI-sized run: data, Muon training, saved HF folder, plot, evaluation report, and the reuse path; the
-    loss must fall (no accuracy claim: 60 steps end on the plateau)."""
+    loss must fall (no accuracy claim: 60 steps end on the plateau). Then the RL stage from that model in a reduced
+    mode (the CI-sized `astrai quickstart --rl`)."""
     out_dir = tmp_path / "qs"
     settings = QuickstartSettings(out_dir=out_dir, steps=60, warmup_steps=10, eval_size=10, compile=False)
     out = io.StringIO()
@@ -44,3 +46,11 @@ def test_short_quickstart_runs_the_whole_pipeline(tmp_path):
     again = io.StringIO()
     reused = run_quickstart(QuickstartSettings(out_dir=out_dir, eval_size=5), Console(file=again, width=200))
     assert "reusing the trained model" in again.getvalue() and reused.n == 5
+    # and `--rl` in a reduced mode from that model: the probe, 2 GRPO steps, both accuracies, the saved model
+    rl_out = io.StringIO()
+    rl = run_rl(QuickstartSettings(out_dir=out_dir), RLSettings(steps=2, eval_size=10, probe_size=5, samples=2),
+                Console(file=rl_out, width=200))  # fmt: skip
+    rl_text = rl_out.getvalue()
+    assert "probe: the SFT model" in rl_text and "GRPO: 2 steps" in rl_text
+    assert f"accuracy after RL: {100 * rl.after.accuracy:.1f}%" in rl_text and rl.before.n == rl.after.n == 10
+    assert (rl.model_dir / "config.json").is_file()
