@@ -242,3 +242,17 @@ def test_special_token_markup_is_named_by_id():
                                                        "required": ["a>b"]})], fmt="qwen3_coder")  # fmt: skip
     with pytest.raises(ValueError, match="no tool named"):
         forced_call_grammar(TOOLS, "missing", fmt="mistral")
+
+
+@pytest.mark.parametrize("pattern", ["([", "(?=a)b", "\\", "x{99999}"])
+def test_a_qwen3_coder_pattern_the_engine_cannot_take_is_a_400(server, oai, monkeypatch, pattern):
+    """A string parameter's `pattern` becomes part of the qwen3_coder grammar's regex; one the grammar engine
+    rejects (bad syntax, a lookahead, a repetition too large) is a 400 naming tool_choice, and the server serves on."""
+    monkeypatch.setattr(server.app.state, "tool_parser", "qwen3_coder")
+    params = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="m", messages=user, tools=tools, tool_choice="required", max_tokens=8)
+    assert err.value.body["param"] == "tool_choice"
+    assert oai.chat.completions.create(model="m", messages=user, max_tokens=2).choices[0].finish_reason
