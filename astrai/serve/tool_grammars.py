@@ -94,12 +94,15 @@ class _Tags:
     """Markup -> terminal for one grammar, remembering whether any was a special token."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.special, self.special_texts = tokenizer, False, set()
+        self.tokenizer, self.special_texts = tokenizer, set()
+
+    @property
+    def special(self) -> bool:
+        return bool(self.special_texts)
 
     def __call__(self, text: str) -> str:
         terminal, special = tag_terminal(self.tokenizer, text)
         if special:
-            self.special = True
             self.special_texts.add(text)
         return terminal
 
@@ -113,18 +116,20 @@ def _body(functions: Sequence[dict[str, Any]], rule: Callable[[int, dict[str, An
 
 
 # ---- the formats ----------------------------------------------------------------------------------------------
-def _hermes(functions: Sequence[dict[str, Any]], tag: _Tags, parallel: bool, template: str) -> Rules:
+def _tool_call_tags(tag: _Tags, parallel: bool) -> list[str]:
+    """Calls each wrapped in `<tool_call>\\n...\\n</tool_call>`, separated by a newline (hermes, qwen3_coder)."""
     more = f' ("\\n" {tag(OPEN_TAG)} call_rest)*' if parallel else ""
-    rules = [f"calls_rest: call_rest{more}", f'call_rest: "\\n" body "\\n" {tag(CLOSE_TAG)}']
+    return [f"calls_rest: call_rest{more}", f'call_rest: "\\n" body "\\n" {tag(CLOSE_TAG)}']
+
+
+def _hermes(functions: Sequence[dict[str, Any]], tag: _Tags, parallel: bool, template: str) -> Rules:
+    rules = _tool_call_tags(tag, parallel)
     rules += _body(functions, lambda i, fn: [_json(f"call_{i}", call_schema(fn["name"], fn.get("parameters")))])
     return OPEN_TAG, rules, ()
 
 
 def _qwen3_coder(functions: Sequence[dict[str, Any]], tag: _Tags, parallel: bool, template: str) -> Rules:
-    more = f' ("\\n" {tag(OPEN_TAG)} call_rest)*' if parallel else ""
-    rules = [f"calls_rest: call_rest{more}", f'call_rest: "\\n" body "\\n" {tag(CLOSE_TAG)}']
-    rules += _body(functions, _coder_function)
-    return OPEN_TAG, rules, (PARAM_CLOSE,)
+    return OPEN_TAG, _tool_call_tags(tag, parallel) + _body(functions, _coder_function), (PARAM_CLOSE,)
 
 
 def _coder_function(i: int, fn: dict[str, Any]) -> list[str]:
