@@ -7,8 +7,9 @@ step of each kind under `torch.profiler` and reports:
 
 - the step's wall time (median of `--repeats` unprofiled steps of the same shape, each with a fresh prefill);
 - its GEMM time: the device time of the matrix-multiply kernels (CUDA: kernel names with gemm / matmul /
-  cutlass / xmma; CPU: self time of aten::mm / addmm / bmm), so `step / GEMM` says how much of the step is not
-  GEMM (the issue's goal: <= 1.5x at >= 512 new tokens, <= 6 ms at 128 on the 135M model on an H100/H200);
+  cutlass / xmma; CPU: self time of aten::mm / addmm / bmm and oneDNN's packed linear), so `step / GEMM` says
+  how much of the step is not GEMM (the issue's goal: <= 1.5x at >= 512 new tokens, <= 6 ms at 128 on the
+  135M model on an H100/H200);
 - kernels launched per step (CUDA: kernel events, graph-replayed ones included) or aten ops (CPU);
 - the top operators by self time, and a Chrome trace per step in `--trace-dir` (open in Perfetto).
 
@@ -38,7 +39,7 @@ from astrai.models.decoder import init_params
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
 GEMM_KERNEL = re.compile(r"gemm|matmul|cutlass|xmma|wgmma", re.I)
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise"}
 
 
 def build(name: str, dtype: torch.dtype, device: str) -> Model:
@@ -64,7 +65,12 @@ class Workload:
         # long enough for every step this script runs (a few dozen), within the context
         long = SamplingParams(max_tokens=min(1024, cfg.max_position_embeddings - 17), temperature=0.0, ignore_eos=True)
         self.decoders = [engine.submit(self._prompt(16), long) for _ in range(rows)]
-        for _ in range(3):  # prefill the rows, then decode a little: every row decodes from here on
+        # prefill the rows (in chunks of the step budget) until every row has sampled, then decode a little:
+        # every row decodes from here on
+        running = engine.scheduler.running
+        while len(running) < rows or any(not seq.outputs for seq in running):
+            engine.step()
+        for _ in range(2):
             engine.step()
 
     def _prompt(self, n: int) -> list[int]:
@@ -108,7 +114,7 @@ def profiled(fn, device: str, trace: Path | None) -> dict:
         count = len(kernels)
         key = "self_device_time_total"
     else:
-        ops = [e for e in events if e.name.startswith("aten::")]
+        ops = [e for e in events if e.name.startswith(("aten::", "mkldnn::"))]
         gemm_us = sum(e.self_cpu_time_total for e in ops if e.name in GEMM_OPS)
         device_us = None
         count = len(ops)

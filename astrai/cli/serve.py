@@ -94,6 +94,9 @@ class ServeConfig(ModelArgs):
     """torch.compile the decode step (first requests wait for the compile)."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from CUDA graphs, captured for every batch bucket at start (dense models)."""
+    pack_weights: bool = True
+    """CPU: a oneDNN-packed copy of the projection weights for batched decode and prefill (faster; costs the
+    weights' memory once more; skipped when free memory is short)."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
     log_level: Annotated[LogLevel, tyro.conf.arg(aliases=("--uvicorn-log-level",), metavar="LEVEL")] = "info"
@@ -154,7 +157,7 @@ def engine_config(cfg: ServeConfig):
                         max_waiting=cfg.max_waiting, max_model_len=cfg.max_model_len,
                         kv_budget_tokens=cfg.kv_budget, gpu_memory_utilization=cfg.gpu_memory_utilization,
                         page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
-                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+                        compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
                         tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
 
 

@@ -91,6 +91,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured on first use (dense GQA models;
     MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
+    pack_weights: bool = True
+    """CPU: keep a oneDNN-packed copy of each projection weight for many-row products (batched decode, prefill;
+    `astrai.ops.packed_linear`): faster, at the cost of the weights' memory once more (skipped when free memory
+    is short). Ignored on CUDA."""
     seed: int | None = None
     """Seed for the seeds of requests that give none (None: random)."""
     tensor_parallel_size: int = 1
@@ -145,7 +149,7 @@ class Engine:
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len)  # fmt: skip
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile,
                          max_running=cfg.max_running, max_model_len=self.max_model_len,
-                         cuda_graphs=cfg.cuda_graphs)  # fmt: skip
+                         cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
         self.fatal: str | None = None  # why the engine cannot run any more (a tensor-parallel rank died)
         if tp_size > 1:
             self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, **runner_kw)
@@ -369,6 +373,8 @@ class Engine:
         if params is not None:
             self.model = attrs.evolve(self.model, params=params)
             self.runner.set_model(self.model)
+        else:
+            self.runner.refresh_weights()
 
     def invalidate_prefix_cache(self) -> None:
         """Forget every cached prefix (its K/V was computed with the old weights); the next prompt recomputes."""

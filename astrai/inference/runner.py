@@ -17,6 +17,7 @@ is outside the CUDA graphs, so graphs are unaffected.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -33,9 +34,13 @@ from astrai.inference.sampling_batch import make_sampling_batch
 from astrai.inference.seq import Seq
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
+from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
+from astrai.ops.packed_linear import is_group_packed, is_packed, pack_group, pack_weights, packable, repack
 from astrai.tree import tree_map
+
+logger = logging.getLogger(__name__)
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -71,6 +76,37 @@ def graphs_supported(model: Model) -> bool:
     return model.config.ffn_type == "mlp" and model.config.attn_type == "gqa"
 
 
+def _available_memory() -> int | None:
+    """Bytes the kernel reports as available (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pack_cpu_weights(model: Model) -> bool:
+    """oneDNN packs of the model's projection weights (`astrai.ops.packed_linear`), unless the copy would take
+    more than half the available memory (then a warning, and the products stay on `F.linear`)."""
+    groups = [g for g in projection_groups(model.params) if all(packable(w) for w in g)]
+    need = sum(w.numel() * w.element_size() for g in groups for w in g if not (is_packed(w) or is_group_packed(g)))
+    free = _available_memory()
+    if free is not None and need > free // 2:
+        why = "EngineConfig.pack_weights=False silences this"
+        logger.warning("not packing the CPU weights for oneDNN: %.1f GiB would take over half of the %.1f GiB "
+                       "available (%s)", need / 2**30, free / 2**30, why)  # fmt: skip
+        return False
+    for group in groups:
+        if len(group) > 1:
+            pack_group(group)
+        else:
+            pack_weights(group)
+    return True
+
+
 def _steered_token(seq: Seq) -> int | None:
     """The token a constrained sequence must take now to finish its grammar within `max_tokens` (None: free).
 
@@ -101,6 +137,7 @@ class ModelRunner:
         max_running: int,
         max_model_len: int,
         cuda_graphs: bool = True,
+        pack_weights: bool = False,
         tp: TensorParallel | None = None,
     ) -> None:
         # under tensor parallel `model` is this rank's shard with its local config (astrai.models.tp), and the
@@ -111,6 +148,9 @@ class ModelRunner:
         self.max_width = pages_needed(max_model_len, page_size)
         self.cache = init_kv_cache(self.cfg, num_pages, page_size, dtype=model.dtype, device=self.device)
         self.cuda = self.device.type == "cuda"
+        self.pack_weights = pack_weights and self.device.type == "cpu"
+        if self.pack_weights:
+            pack_cpu_weights(model)
         self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg, tp=tp)
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg, tp=tp)
         # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
@@ -125,9 +165,16 @@ class ModelRunner:
     def set_model(self, model: Model) -> None:
         """Run `model` (same shapes, new weight tensors) from now on; CUDA graphs bound the old ones: recapture."""
         self.model = model
+        if self.pack_weights:
+            pack_cpu_weights(model)
         if self.graphs is not None:
             self.graphs = self.make_decode_graphs(capture=True)
             self.graphs.capture_all([b for b in DECODE_BUCKETS if b < self.graphs.max_rows] + [self.graphs.max_rows])
+
+    def refresh_weights(self) -> None:
+        """The served tensors were changed in place: rebuild their CPU packs (CUDA graphs read them directly)."""
+        if self.pack_weights:
+            repack(projection_weights(self.model.params))
 
     def make_decode_graphs(self, *, capture: bool) -> DecodeGraphs:
         """Decode over preallocated per-bucket rows; `capture` replays CUDA graphs (tests use False on CPU)."""

@@ -31,7 +31,7 @@ from torch import Tensor
 from astrai.models.config import ModelConfig, check_config
 from astrai.nn.attention import AttentionParams, AttentionShape, attention, init_attention
 from astrai.nn.embedding import EmbeddingParams, embed, init_embedding
-from astrai.nn.linear import LinearParams, init_linear
+from astrai.nn.linear import LinearParams, init_linear, plain
 from astrai.nn.mla import MLAParams, init_mla, mla, mla_softmax_scale
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
 from astrai.nn.moe import MoEAux, MoEParams, add_aux, init_moe, moe
@@ -310,6 +310,43 @@ def head_logits(params: DecoderParams, x: Tensor) -> Tensor:
     head = params.embed_tokens if params.lm_head is None else params.lm_head
     bias = None if params.lm_head is None else params.lm_head.bias
     return linear_op(x, head.weight, bias, head.scale).float()
+
+
+def projection_groups(params: DecoderParams) -> list[tuple[Tensor, ...]]:
+    """The 2-D float weights `linear` multiplies by, grouped as the model multiplies them: q/k/v and gate/up
+    of each block together (when plain: `nn.linear.linear_group`), every other projection alone, and the
+    embedding when it is the tied head. What the CPU engine packs for oneDNN (`astrai.ops.packed_linear`);
+    int8 weights are left out."""
+    groups: list[tuple[Tensor, ...]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, AttentionParams | MLPParams):
+            fused = (node.q_proj, node.k_proj, node.v_proj) if isinstance(node, AttentionParams) else (
+                node.gate_proj, node.up_proj)  # fmt: skip
+            if all(plain(p) for p in fused):
+                groups.append(tuple(p.weight for p in fused))
+                walk(node.o_proj if isinstance(node, AttentionParams) else node.down_proj)
+                return
+        if isinstance(node, LinearParams):
+            if node.weight.is_floating_point() and node.weight.dim() == 2:
+                groups.append((node.weight,))
+        elif type(node) is tuple:
+            for child in node:
+                walk(child)
+        elif attrs.has(type(node)):
+            for field in attrs.fields(type(node)):
+                walk(getattr(node, field.name))
+
+    walk(params.blocks)
+    head = params.embed_tokens if params.lm_head is None else params.lm_head
+    if head.weight.is_floating_point():
+        groups.append((head.weight,))
+    return groups
+
+
+def projection_weights(params: DecoderParams) -> list[Tensor]:
+    """Every weight of `projection_groups`, flat."""
+    return [w for group in projection_groups(params) for w in group]
 
 
 def forward(

@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from astrai.nn.linear import LinearParams, init_linear, linear
+from astrai.nn.linear import LinearParams, init_linear, linear, linear_group
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.ops.attention import AttnMeta, dense_attention, paged_attention
 from astrai.ops.kv_store import kv_store_
@@ -108,9 +108,8 @@ def attention(
     """
     lead = x.shape[:-1]
     heads, kv_heads, dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    q = linear(p.q_proj, x).view(*lead, heads, dim)
-    k = linear(p.k_proj, x).view(*lead, kv_heads, dim)
-    v = linear(p.v_proj, x).view(*lead, kv_heads, dim)
+    q, k, v = linear_group((p.q_proj, p.k_proj, p.v_proj), x)
+    q, k, v = q.view(*lead, heads, dim), k.view(*lead, kv_heads, dim), v.view(*lead, kv_heads, dim)
     if p.q_norm is not None and p.k_norm is not None:
         q, k = rms_norm(p.q_norm, q, eps=shape.norm_eps), rms_norm(p.k_norm, k, eps=shape.norm_eps)
     # rotary works on flat tokens: [B*T, heads, D]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from astrai.ops.linear import linear as linear_op
+from astrai.ops.linear import linears
 from astrai.tree import pytree, static
 
 
@@ -62,3 +63,16 @@ def linear(p: LinearParams, x: Tensor) -> Tensor:
         # two thin products through the rank-r bottleneck; B @ A [out, in] is never materialised
         out = out + linear_op(linear_op(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)) * p.scaling
     return out
+
+
+def plain(p: LinearParams) -> bool:
+    """A projection with a float weight and no adapter: one that may be packed with others (`linear_group`)."""
+    return type(p) is LinearParams and p.scale is None
+
+
+def linear_group(ps: tuple[LinearParams, ...], x: Tensor) -> list[Tensor]:
+    """[linear(p, x) for p in ps]: projections of one input (q/k/v, gate/up). Plain ones go through
+    `ops.linear.linears`, which runs them as one product when the CPU engine packed them together."""
+    if all(plain(p) for p in ps):
+        return linears(x, [p.weight for p in ps], [p.bias for p in ps])
+    return [linear(p, x) for p in ps]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from astrai.nn.linear import LinearParams, init_linear, linear
+from astrai.nn.linear import LinearParams, init_linear, linear, linear_group
 from astrai.tree import pytree
 
 
@@ -42,4 +42,5 @@ def init_mlp(
 
 def mlp(p: MLPParams, x: Tensor) -> Tensor:
     """x: [..., E] -> [..., E]."""
-    return linear(p.down_proj, F.silu(linear(p.gate_proj, x)) * linear(p.up_proj, x))
+    gate, up = linear_group((p.gate_proj, p.up_proj), x)
+    return linear(p.down_proj, F.silu(gate) * up)

@@ -11,13 +11,21 @@ per-row scale. In the same compiled few-row loop the int8 → fp32 widening happ
 a quarter of the fp32 bytes (measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md). Elsewhere (eager,
 many rows, GPU) the weight is widened to the input's dtype and multiplied as usual, the scale applied to the
 product's columns; under `torch.compile` on GPU inductor fuses the widening into the matmul.
+
+Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
+pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. Weights nobody packed take `F.linear`
+as before, and so does anything that needs a gradient or runs under autocast (the op has neither).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from astrai.ops import packed_linear as packed
 
 MAX_REDUCE_ROWS = 8  # measured crossover on a 2-core EPYC: the reduce form wins at 1-8 rows, loses at 16
 
@@ -27,16 +35,55 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
 
     With `scale` [out], `weight` is int8 and stands for weight * scale[:, None] (`astrai.ops.quant`).
     """
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= MAX_REDUCE_ROWS):
-        if scale is None:
-            return F.linear(x, weight, bias)
+    if _row_reduce(x):
+        return _reduce_linear(x, weight, bias, scale)
+    if scale is not None:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
         return out if bias is None else out + bias.to(x.dtype)
+    if _packed_path(x, (weight,), (bias,)):
+        if torch.compiler.is_compiling():  # the pack is looked up at run time, by the weight the graph passes
+            return torch.ops.astrai.packed_linear(x, weight, bias)
+        out = packed.run_packed(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
+
+
+def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
+    """[linear(x, w, b) for each pair]: products of one input (q/k/v, gate/up). On CPU, weights packed together
+    (`packed_linear.pack_group`) run as one product and come back as views of its output."""
+    if not _row_reduce(x) and _packed_path(x, weights, biases):
+        if torch.compiler.is_compiling():
+            out = torch.ops.astrai.packed_linear_cat(x, list(weights), list(biases))
+        else:
+            out = packed.run_packed_group(x, weights, biases)
+        if out is not None:
+            return list(out.split([w.shape[0] for w in weights], dim=-1))
+    return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+
+def _row_reduce(x: Tensor) -> bool:
+    """Few rows inside a compiled CPU graph: the multiply + row-sum loop (see the module docstring)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= MAX_REDUCE_ROWS
+
+
+def _reduce_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> Tensor:
     # [rows, 1, in] * [out, in] summed over in -> [rows, out]; fp32 accumulation like the GEMM's
+    rows = x.numel() // x.shape[-1]
     out = (x.reshape(rows, 1, x.shape[-1]).float() * weight.float()).sum(-1)
     if scale is not None:
         out = out * scale.float()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _packed_path(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:
+    """Whether CPU products may take oneDNN packs: no gradient, no autocast, one packable dtype throughout."""
+    if x.device.type != "cpu" or not packed.AVAILABLE or torch.is_autocast_enabled("cpu"):
+        return False
+    tensors = [x, *weights, *(b for b in biases if b is not None)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return x.dtype in packed.PACKABLE_DTYPES and all(w.dim() == 2 and w.dtype == x.dtype for w in weights)

@@ -32,6 +32,7 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         "bench_engine.py",
         "bench_host.py",
         "bench_tp.py",
+        "bench_packed_linear.py",
         pytest.param("bench_train.py", marks=pytest.mark.slow),
     ],  # ~30 s on 2 cores: compiles three train steps
 )
@@ -51,6 +52,9 @@ def test_smoke_mode_reports_json(script, tmp_path):
         one, two = report["results"]
         assert two["param_mib_per_rank"] < 0.6 * one["param_mib_per_rank"]
         assert two["kv_bytes_per_token_per_rank"] * 2 == one["kv_bytes_per_token_per_rank"] and two["warm_tok_s"] > 0
+    elif report.get("benchmark") == "bench_packed_linear":  # every layout measured at every row count
+        assert [r["rows"] for r in report["results"]] == [1, 16] and report["groups"] < report["weights"]
+        assert all(r[f"{k}_ms"] > 0 for r in report["results"] for k in ("f_linear", "packed", "packed_groups"))
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work
