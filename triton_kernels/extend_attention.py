@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._common import autotune_configs, check_last_dim_contiguous, interpreting, upcast
-from .decode_attention import _gather_pages, _key_mask, _masked_sdpa
+from .decode_attention import _gather_pages, _key_mask, _masked_sdpa, decode_attention_ref
 
 __all__ = ["extend_attention", "extend_attention_ref"]
 
@@ -244,12 +244,24 @@ def _extend_per_request(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor,
     page_size: int, scale: float, window: int,
 ) -> Tensor:  # fmt: skip
-    """The eager branch of `extend_attention_ref`: one SDPA per request over its own keys only."""
+    """The eager branch of `extend_attention_ref`: one SDPA per request over its own keys only, except that the
+    one-token requests (the decoding rows of a mixed step) go through one batched call of the decode reference:
+    a per-request loop costs ~15 small ops per request and layer, which dominated CPU mixed steps (64 decoding
+    rows + a 16-token prompt: 640 ms, 400,000 aten ops)."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # rows owned by no request stay zero
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    single = [b for b, length in enumerate(lens) if cu[b + 1] - cu[b] == 1 and length > 0]
+    if len(single) > 1:
+        idx = torch.tensor(single, device=q.device)
+        rows = cu_seqlens_q[idx].long()
+        width = triton.cdiv(max(lens[b] for b in single), page_size)
+        one = decode_attention_ref(q[rows], k_cache, v_cache, block_table[idx, :width], seq_lens[idx],
+                                   page_size=page_size, scale=scale, window=window)  # fmt: skip
+        out[rows] = one.float()
+    batched = set(single) if len(single) > 1 else set()
     for b, length in enumerate(lens):
         start, end = cu[b], cu[b + 1]
-        if end == start:
+        if end == start or b in batched:
             continue
         pages = block_table[b : b + 1, : triton.cdiv(length, page_size)]  # [1, P_b]: only the pages it uses
         lens_b = seq_lens[b : b + 1]

@@ -97,9 +97,11 @@ def test_ref_matches_sdpa_prefill() -> None:
 
 
 @pytest.mark.parametrize("window", [0, 6])
-def test_ref_matches_sdpa_with_prefix(window: int) -> None:
-    # Full causal attention over prefix + new tokens; the new tokens are its last rows.
-    q_lens, prefixes = [7, 12], [16, 5]
+@pytest.mark.parametrize("q_lens, prefixes", [([7, 12], [16, 5]), ([1, 7, 1, 1, 12], [20, 16, 3, 40, 5])],
+                         ids=["prefills", "decode_rows_batched"])  # fmt: skip
+def test_ref_matches_sdpa_with_prefix(window: int, q_lens: list[int], prefixes: list[int]) -> None:
+    # Full causal attention over prefix + new tokens; the new tokens are its last rows. The second case has
+    # several one-token requests (a mixed step's decoding rows), which the eager reference batches together.
     batch = make_batch(q_lens, prefixes, 4, 2, 32, 8, torch.float32)
     ref = extend_attention_ref(**batch, scale=0.2, window=window)
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes, strict=True)):
