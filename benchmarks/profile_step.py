@@ -68,8 +68,12 @@ class Workload:
         # prefill the rows (in chunks of the step budget) until every row has sampled, then decode a little:
         # every row decodes from here on
         running = engine.scheduler.running
-        while len(running) < rows or any(not seq.outputs for seq in running):
+        for _ in range(rows * 16 + 100):  # bounded: each step prefills at least one token
+            if len(running) == rows and all(seq.outputs for seq in running):
+                break
             engine.step()
+        else:
+            raise RuntimeError(f"the {rows} rows did not all start decoding")
         for _ in range(2):
             engine.step()
 
