@@ -6,6 +6,8 @@ Every benchmark prints rich tables and then its JSON report as the last stdout l
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +79,16 @@ def cuda_ref_fn(name: str) -> Callable | None:
         console.print(f"[yellow]cuda_ref unavailable: {e}")
         return None
     return getattr(cuda_ref, name)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """(median, min, max) wall milliseconds of `fn()` over `repeats` calls (CPU; synchronise inside `fn` on GPU)."""
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(out), min(out), max(out)
 
 
 def table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> Table:

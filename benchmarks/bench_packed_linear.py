@@ -17,31 +17,18 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import console, emit, table
+from _common import console, emit, table, timed
 
 from astrai.configs.models import NAMED
 from astrai.models.decoder import init_params, projection_groups
 from astrai.ops import packed_linear
 
 RESULTS = Path(__file__).parent / "results" / "bench_packed_linear.json"
-
-
-def timed_ms(fn, repeats: int) -> tuple[float, float, float]:
-    """(median, min, max) milliseconds of `fn` over `repeats` runs after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times), max(times)
 
 
 def run(args) -> dict:
@@ -54,7 +41,7 @@ def run(args) -> dict:
     del params
     weights = [w for g in groups for w in g]
     for g in groups:
-        (packed_linear.pack_group if len(g) > 1 else packed_linear.pack_weights)(g)
+        packed_linear.pack_group(g)
     single = {id(w): torch.ops.mkldnn._reorder_linear_weight(w) for w in weights}
     flops_per_row = 2 * sum(w.numel() for w in weights)
     rows_out = []
@@ -80,7 +67,8 @@ def run(args) -> dict:
         row = {"rows": rows}
         with torch.inference_mode():
             for name, fn in (("f_linear", gemm), ("packed", packed_single), ("packed_groups", packed_groups)):
-                ms, lo, hi = timed_ms(fn, args.repeats)
+                fn()  # warm-up: oneDNN builds its primitives on the first call
+                ms, lo, hi = timed(fn, args.repeats)
                 row |= {f"{name}_ms": ms, f"{name}_min": lo, f"{name}_max": hi,
                         f"{name}_gflops": flops_per_row * rows / ms / 1e6}  # fmt: skip
         row["speedup"] = row["f_linear_ms"] / row["packed_groups_ms"]

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from _common import console, emit, table
+from _common import console, emit, table, timed
 from torch.profiler import ProfilerActivity, profile
 
 import astrai
@@ -91,16 +89,6 @@ class Workload:
     def decode(self) -> None:
         self.engine.step()
         _sync(self.device)
-
-
-def timed(fn, repeats: int) -> tuple[float, float, float]:
-    """(median, min, max) milliseconds of `fn()` over `repeats` calls."""
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(out), min(out), max(out)
 
 
 def profiled(fn, device: str, trace: Path | None) -> dict:

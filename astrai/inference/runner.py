@@ -37,7 +37,7 @@ from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
-from astrai.ops.packed_linear import is_group_packed, is_packed, pack_group, pack_weights, packable, repack
+from astrai.ops.packed_linear import is_group_packed, pack_group, packable, repack
 from astrai.tree import tree_map
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def pack_cpu_weights(model: Model) -> bool:
     """oneDNN packs of the model's projection weights (`astrai.ops.packed_linear`), unless the copy would take
     more than half the available memory (then a warning, and the products stay on `F.linear`)."""
     groups = [g for g in projection_groups(model.params) if all(packable(w) for w in g)]
-    need = sum(w.numel() * w.element_size() for g in groups for w in g if not (is_packed(w) or is_group_packed(g)))
+    need = sum(w.numel() * w.element_size() for g in groups if not is_group_packed(g) for w in g)
     free = _available_memory()
     if free is not None and need > free // 2:
         why = "EngineConfig.pack_weights=False silences this"
@@ -100,10 +100,7 @@ def pack_cpu_weights(model: Model) -> bool:
                        "available (%s)", need / 2**30, free / 2**30, why)  # fmt: skip
         return False
     for group in groups:
-        if len(group) > 1:
-            pack_group(group)
-        else:
-            pack_weights(group)
+        pack_group(group)
     return True
 
 

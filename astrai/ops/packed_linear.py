@@ -33,9 +33,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
-_PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (weight._version when packed, packed weight)
-# first weight of a group -> (weak refs to every member, their versions when packed, the packed concatenation)
-_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# One table for single weights and groups (a single weight is a group of one): first weight -> {member ids ->
+# (weak refs to the members, their versions when packed, the packed [sum out, in] matrix)}. Keyed weakly by the
+# first weight, so an entry dies with it; the refs tell a live group from one whose ids were reused.
+_PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 # whether this torch build has the oneDNN linear ops (the x86 and ARM CPU wheels do); a constant, so that
@@ -54,113 +55,90 @@ def packable(weight: Tensor) -> bool:
     )
 
 
-def _pack(weight: Tensor) -> Tensor:
-    with torch.inference_mode():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    _PACKS[weight] = (weight._version, packed)
+def _store(weights: Sequence[Tensor], packed: Tensor) -> Tensor:
+    entry = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights), packed)
+    _PACKS.setdefault(weights[0], {})[tuple(id(w) for w in weights)] = entry
     return packed
 
 
-def _pack_group(weights: Sequence[Tensor]) -> Tensor:
+def _pack(weights: Sequence[Tensor]) -> Tensor:
     with torch.inference_mode():
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(list(weights)))
-    _GROUPS[weights[0]] = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights), packed)
-    return packed
+        whole = weights[0] if len(weights) == 1 else torch.cat(list(weights))
+        return _store(weights, torch.ops.mkldnn._reorder_linear_weight(whole.contiguous()))
+
+
+def _entry(weights: Sequence[Tensor]) -> tuple | None:
+    entry = _PACKS.get(weights[0], {}).get(tuple(id(w) for w in weights))
+    if entry is None or any(r() is not w for r, w in zip(entry[0], weights, strict=True)):
+        return None
+    return entry
 
 
 def pack_group(weights: Sequence[Tensor]) -> int:
     """Pack weights that multiply the same input (q/k/v, gate/up) as one [sum out, in] matrix: one product
     instead of several, which runs faster at few rows (measured: 16 rows, SmolLM2-135M's q/k/v + gate/up,
-    20.4 → 16.8 ms per pass). Returns the bytes of the new pack (0 if unpackable or already packed)."""
+    20.4 → 16.8 ms per pass). A single weight is a group of one. Returns the bytes of the new pack (0 if
+    unpackable or already packed)."""
     first = weights[0]
     same = all(w.shape[1:] == first.shape[1:] and w.dtype == first.dtype for w in weights)
-    if not (AVAILABLE and same and all(packable(w) for w in weights)) or _group_entry(weights) is not None:
+    if not (AVAILABLE and same and all(packable(w) for w in weights)) or _entry(weights) is not None:
         return 0
-    _pack_group(weights)
+    _pack(weights)
     return sum(w.numel() * w.element_size() for w in weights)
 
 
-def _group_entry(weights: Sequence[Tensor]) -> tuple | None:
-    entry = _GROUPS.get(weights[0])
-    if (
-        entry is None
-        or len(entry[0]) != len(weights)
-        or any(r() is not w for r, w in zip(entry[0], weights, strict=True))
-    ):
-        return None
-    return entry
-
-
 def pack_weights(weights: Iterable[Tensor]) -> int:
-    """Pack every packable weight of `weights` (already packed ones are kept); returns the bytes of new packs."""
-    if not AVAILABLE:
-        return 0
-    added = 0
-    for weight in weights:
-        if packable(weight) and weight not in _PACKS:
-            _pack(weight)
-            added += weight.numel() * weight.element_size()
-    return added
+    """Pack every packable weight of `weights` on its own (already packed ones are kept); returns the bytes of
+    new packs."""
+    return sum(pack_group([w]) for w in weights)
 
 
 def repack(weights: Iterable[Tensor]) -> None:
-    """Pack `weights` (and groups that start with one of them) afresh: for changes the version counter misses
-    (writes through `.data`)."""
+    """Pack afresh every single or group pack that starts with one of `weights`: for changes the version counter
+    misses (writes through `.data`)."""
     for weight in weights:
-        if weight in _PACKS:
-            _pack(weight)
-        entry = _GROUPS.get(weight)
-        members = [r() for r in entry[0]] if entry is not None else []
-        if members and all(m is not None for m in members):
-            _pack_group(members)
-
-
-def is_packed(weight: Tensor) -> bool:
-    """Whether `weight` has a pack of its own (possibly stale: it is refreshed on use)."""
-    return weight in _PACKS
+        for refs, _, _ in list(_PACKS.get(weight, {}).values()):
+            members = [r() for r in refs]
+            if all(m is not None for m in members):
+                _pack(members)
 
 
 def is_group_packed(weights: Sequence[Tensor]) -> bool:
-    """Whether `weights`, in this order, have a group pack."""
-    return _group_entry(weights) is not None
+    """Whether `weights`, in this order, have a pack (possibly stale: it is refreshed on use)."""
+    return _entry(weights) is not None
+
+
+def is_packed(weight: Tensor) -> bool:
+    """Whether `weight` has a pack of its own."""
+    return is_group_packed([weight])
 
 
 def packed_bytes() -> int:
     """Bytes held by live packs (the weights' own bytes, once more)."""
-    single = sum(w.numel() * w.element_size() for w in list(_PACKS.keys()))
-    return single + sum(e[2].numel() * e[2].element_size() for e in list(_GROUPS.values()))
-
-
-def _current_pack(weight: Tensor) -> Tensor | None:
-    entry = _PACKS.get(weight)
-    if entry is None:
-        return None
-    version, packed = entry
-    return packed if version == weight._version else _pack(weight)
-
-
-def run_packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """x [..., in] @ weight.T (+ bias) through the weight's pack, or None when it has none (or dtypes differ)."""
-    packed = _current_pack(weight) if x.dtype == weight.dtype else None
-    if packed is None or (bias is not None and bias.dtype != x.dtype) or x.numel() == 0:
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    entries = [e for group in list(_PACKS.values()) for e in group.values()]
+    return sum(e[2].numel() * e[2].element_size() for e in entries)
 
 
 def run_packed_group(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor | None:
-    """x @ cat(weights).T (+ cat(biases)) through the group's pack: [..., sum out], or None without one."""
-    entry = _group_entry(weights) if x.dtype == weights[0].dtype and x.numel() else None
+    """x @ cat(weights).T (+ cat(biases)) through their pack: [..., sum out], or None without one (or when the
+    dtypes differ). A pack whose weights changed in place since is rebuilt first."""
+    entry = _entry(weights) if x.dtype == weights[0].dtype and x.numel() else None
     if entry is None or any(b is not None and b.dtype != x.dtype for b in biases):
         return None
-    packed = entry[2] if entry[1] == tuple(w._version for w in weights) else _pack_group(weights)
+    packed = entry[2] if entry[1] == tuple(w._version for w in weights) else _pack(weights)
     bias = None
-    if any(b is not None for b in biases):
+    if len(biases) == 1:
+        bias = biases[0]
+    elif any(b is not None for b in biases):
         bias = torch.cat([x.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases, strict=True)])
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def run_packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """x [..., in] @ weight.T (+ bias) through the weight's own pack, or None (`run_packed_group` of one)."""
+    return run_packed_group(x, (weight,), (bias,))
 
 
 @torch.library.custom_op("astrai::packed_linear", mutates_args=())

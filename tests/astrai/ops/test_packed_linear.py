@@ -21,8 +21,7 @@ pytestmark = pytest.mark.skipif(not packed.AVAILABLE, reason="this torch build h
 
 def _swap_pack(weight, stand_in):
     """Make `weight`'s pack hold `stand_in` instead: an output that follows it proves the pack was used."""
-    version, _ = packed._PACKS[weight]
-    packed._PACKS[weight] = (version, torch.ops.mkldnn._reorder_linear_weight(stand_in))
+    packed._store([weight], torch.ops.mkldnn._reorder_linear_weight(stand_in))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,9 +109,7 @@ def test_a_group_pack_runs_q_k_v_as_one_product(compiled):
             assert_close(got, want, atol=1e-4)
             assert_close(ungrouped, want, atol=1e-4)
         # negative control: the group's pack is what runs (a pack of doubled weights doubles the products)
-        version = packed._GROUPS[weights[0]][1]
-        doubled = torch.ops.mkldnn._reorder_linear_weight(2 * torch.cat(weights))
-        packed._GROUPS[weights[0]] = (packed._GROUPS[weights[0]][0], version, doubled)
+        packed._store(weights, torch.ops.mkldnn._reorder_linear_weight(2 * torch.cat(weights)))
         outs = fn(x, weights, [None] * 3)
         for got, w in zip(outs, weights, strict=True):
             assert_close(got, 2 * F.linear(x, w), atol=1e-4)
@@ -151,7 +148,7 @@ def test_engine_with_packed_weights_equals_the_unpacked_engine(model):
     for pack in (False, True):
         with Engine(model, EngineConfig(max_running=16, background=False, pack_weights=pack)) as engine:
             runs[pack] = _greedy(engine, prompts)
-    assert all(packed.is_packed(g[0]) or packed.is_group_packed(g) for g in projection_groups(model.params))
+    assert all(packed.is_group_packed(g) for g in projection_groups(model.params))
     for (ids_off, lp_off), (ids_on, lp_on) in zip(runs[False], runs[True], strict=True):
         assert ids_on == ids_off
         assert_close(torch.tensor(lp_on), torch.tensor(lp_off), atol=1e-4)
@@ -165,7 +162,7 @@ def test_the_engine_serves_new_weights_through_new_packs(model, tmp_path):
     with Engine(model, EngineConfig(max_running=16, background=False)) as engine:
         _greedy(engine, prompts)
         engine.update_params(other.params)
-        assert all(packed.is_packed(g[0]) or packed.is_group_packed(g) for g in projection_groups(other.params))
+        assert all(packed.is_group_packed(g) for g in projection_groups(other.params))
         assert [ids for ids, _ in _greedy(engine, prompts)] == [ids for ids, _ in expected]
         # changed behind the pack's back (`.data` shares no version counter): update_params() repacks
         gen = torch.Generator().manual_seed(1)
@@ -187,4 +184,4 @@ def test_packing_is_skipped_with_a_warning_when_memory_is_short(tmp_path, monkey
     with caplog.at_level(logging.WARNING, logger="astrai.inference.runner"):
         assert not pack_cpu_weights(fresh)
     assert "not packing the CPU weights" in caplog.text
-    assert not any(packed.is_packed(g[0]) or packed.is_group_packed(g) for g in projection_groups(fresh.params))
+    assert not any(packed.is_group_packed(g) for g in projection_groups(fresh.params))
