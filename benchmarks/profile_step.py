@@ -6,6 +6,9 @@ while every step that carries prefill cost ~43 ms whatever its size. This script
 step of each kind under `torch.profiler` and reports:
 
 - the step's wall time (median of `--repeats` unprofiled steps of the same shape, each with a fresh prefill);
+- with compiled steps, each mixed step twice: through the compiled prefill step (what the engine runs on CUDA)
+  and the eager one (what it runs on CPU by default; `prefill` column). The runs alternate, so both see the
+  same load on a shared machine;
 - its GEMM time: the device time of the matrix-multiply kernels (CUDA: kernel names with gemm / matmul /
   cutlass / xmma; CPU: self time of aten::mm / addmm / bmm and oneDNN's packed linear), so `step / GEMM` says
   how much of the step is not GEMM (the issue's goal: <= 1.5x at >= 512 new tokens, <= 6 ms at 128 on the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -127,21 +131,38 @@ def run(args) -> dict:
         trace_dir.mkdir(parents=True, exist_ok=True)
     config = EngineConfig(background=False, max_running=args.rows + 4, max_step_tokens=max(args.prefill) + args.rows,
                           kv_budget_tokens=args.rows * 1024 + 4 * max(args.prefill), prefix_cache=False,
-                          compile=not args.no_compile)  # fmt: skip
+                          compile=not args.no_compile, compile_prefill=True)  # fmt: skip
     rows = []
     with Engine(model, config) as engine:
         work = Workload(engine, args.rows, device)
-        shapes = [("decode", 0), *(("mixed", p) for p in args.prefill)]
-        for kind, new in shapes:
-            step = work.decode if kind == "decode" else (lambda n=new: work.mixed(n))
-            for _ in range(args.warmup):  # compile, autotune, capture
-                step()
-            ms, lo, hi = timed(step, args.repeats)
-            trace = trace_dir / f"step_{kind}_{new}.json" if trace_dir is not None else None
-            prof = profiled(step, device, trace)
-            rows.append({"step": kind, "new_tokens": new, "decode_rows": args.rows, "ms": ms, "ms_min": lo,
-                         "ms_max": hi, **prof, "x_gemm": ms / prof["gemm_ms"] if prof["gemm_ms"] else None,
+        runner, compiled = engine.runner, engine.runner.compiled_prefill
+        modes = ["compiled", "eager"] if compiled is not None else ["eager"]
+
+        def prefill_mode(mode: str) -> None:
+            runner.compiled_prefill = compiled if mode == "compiled" else None
+
+        shapes = [("decode", 0, "-"), *(("mixed", p, m) for p in args.prefill for m in modes)]
+        times = {shape: [] for shape in shapes}
+        steps = {shape: work.decode if shape[0] == "decode" else (lambda n=shape[1]: work.mixed(n)) for shape in shapes}
+        for shape in shapes:  # compile, autotune, capture
+            prefill_mode(shape[2])
+            for _ in range(args.warmup):
+                steps[shape]()
+        for _ in range(args.repeats):  # round robin: every shape sees the machine's load of the same minutes
+            for shape in shapes:
+                prefill_mode(shape[2])
+                times[shape].append(timed(steps[shape], 1)[0])
+        for shape in shapes:
+            kind, new, mode = shape
+            prefill_mode(shape[2])
+            trace = trace_dir / f"step_{kind}_{new}_{mode}.json" if trace_dir is not None else None
+            prof = profiled(steps[shape], device, trace)
+            ms = statistics.median(times[shape])
+            rows.append({"step": kind, "new_tokens": new, "decode_rows": args.rows, "prefill": mode, "ms": ms,
+                         "ms_min": min(times[shape]), "ms_max": max(times[shape]), **prof,
+                         "x_gemm": ms / prof["gemm_ms"] if prof["gemm_ms"] else None,
                          "trace": str(trace) if trace else None})  # fmt: skip
+        prefill_mode("compiled")
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"benchmark": "profile_step", "config": args.config, "device": name, "dtype": args.dtype,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "compiled": not args.no_compile,
@@ -150,11 +171,13 @@ def run(args) -> dict:
 
 def show(r: dict) -> None:
     console.print(table(f"one engine step, {r['config']} {r['dtype']} on {r['device']} (median of {r['repeats']})",
-                        r["rows"], [("step", "s"), ("new_tokens", "d"), ("decode_rows", "d"), ("ms", ".2f"),
-                                    ("gemm_ms", ".2f"), ("x_gemm", ".2f"), ("launches", "d")]))  # fmt: skip
+                        r["rows"], [("step", "s"), ("new_tokens", "d"), ("decode_rows", "d"), ("prefill", "s"),
+                                    ("ms", ".2f"), ("gemm_ms", ".2f"), ("x_gemm", ".2f"),
+                                    ("launches", "d")]))  # fmt: skip
     for row in r["rows"]:
-        console.print(table(f"top operators by self time: {row['step']} step, {row['new_tokens']} new tokens",
-                            row["top"], [("op", "s"), ("calls", "d"), ("self_ms", ".3f")]))  # fmt: skip
+        title = f"top operators by self time: {row['step']} step, {row['new_tokens']} new tokens"
+        title += f", {row['prefill']} prefill" if row["step"] == "mixed" else ""
+        console.print(table(title, row["top"], [("op", "s"), ("calls", "d"), ("self_ms", ".3f")]))
 
 
 def main(argv: list[str] | None = None) -> int:

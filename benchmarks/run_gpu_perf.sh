@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check of issue 16 (performance), run on a CUDA machine from the repo root in <= 8 minutes:
 # the long-context compiled decode-attention test (autotuning on, which run_gpu.sh's `-k "not compile"` skips),
-# the step profile (profile_step.py: a mixed and a decode step under torch.profiler, Chrome traces kept), the
+# the compiled-prefill tests on CUDA (compiled prefill is on by default there, measured only on CPU so far),
+# the step profile (profile_step.py: a decode step and mixed steps through the compiled and the eager prefill
+# under torch.profiler, Chrome traces kept), the
 # engine benchmark in bf16 (CUDA graphs on and off) and nano-vllm's serving workload (bench_throughput --preset
 # gpu, one timed repeat). Logs, JSON and traces go to ${OUT:-benchmarks/results}. Stages are independent.
 set -u
@@ -9,13 +11,15 @@ TAIL_LINES=30
 source "$(dirname "$0")/_gpu_stage.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-stage decode_attention_autotuned "${ATTN_TIMEOUT:-70}" env ASTRAI_TRITON_AUTOTUNE=1 $py -m pytest -q -p no:cacheprovider \
+stage decode_attention_autotuned "${ATTN_TIMEOUT:-60}" env ASTRAI_TRITON_AUTOTUNE=1 $py -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning tests/triton_kernels/test_decode_attention.py -k "compiled_gpu"
-stage profile_step "${PROFILE_TIMEOUT:-90}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
+stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-70}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  tests/astrai/inference/test_compiled_prefill.py tests/astrai/inference/test_engine.py -k "compiled or prefill or cuda"
+stage profile_step "${PROFILE_TIMEOUT:-100}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
   --out "$out/h200_profile_step.json"
-stage bench_engine_gpu "${ENGINE_TIMEOUT:-150}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
+stage bench_engine_gpu "${ENGINE_TIMEOUT:-120}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
   --out "$out/h200_bench_engine.json"
-stage bench_throughput_gpu "${THROUGHPUT_TIMEOUT:-170}" $py benchmarks/bench_throughput.py --preset gpu --repeats 1 \
+stage bench_throughput_gpu "${THROUGHPUT_TIMEOUT:-130}" $py benchmarks/bench_throughput.py --preset gpu --repeats 1 \
   --out "$out/h200_bench_throughput.json"
 echo "failed stages: $failed"
 exit "$failed"

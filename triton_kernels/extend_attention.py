@@ -214,30 +214,29 @@ def extend_attention_ref(
     """Plain-torch fp32 specification of `extend_attention`, and the CPU path of `astrai.ops.attention`.
 
     Same arguments and result as `extend_attention` (q's dtype; rows owned by no request are zeros), no layout
-    requirements. Eager calls loop over requests (they read the lengths on the host: no wasted FLOPs, and a fresh
-    prompt takes SDPA's causal fast path). Traced calls (`torch.compile`) cannot read values, so they gather every
-    request's pages into one flattened key axis and mask out other requests' keys instead: static shapes and no
-    host sync, at B times the attention FLOPs (small next to the projections on CPU).
+    requirements. It loops over requests, reading their lengths on the host: no wasted FLOPs, and a fresh prompt
+    takes SDPA's causal fast path. Under `torch.compile` it is the opaque op `astrai::extend_attention_ref`, so a
+    compiled prefill step keeps this loop (tracing it would need the lengths as values; a shape-only version
+    attends over every request's keys, B times the FLOPs).
     """
-    if not torch.compiler.is_compiling():
-        return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
-    num_tokens, num_reqs = q.shape[0], seq_lens.shape[0]
-    cu, lens = cu_seqlens_q.long(), seq_lens.long()
-    rows = torch.arange(num_tokens, device=q.device)
-    req = torch.searchsorted(cu[1:], rows, right=True).clamp(max=num_reqs - 1)  # [T] owning request
-    q_pos = lens[req] - (cu[1:] - cu[:-1])[req] + (rows - cu[req])  # [T] absolute positions
-    k = _gather_pages(k_cache, block_table, seq_lens, page_size)  # [B, S, K, D]
-    v = _gather_pages(v_cache, block_table, seq_lens, page_size)
-    span = k.shape[1]
-    # Mask over the flattened [B*S] key axis: same request, causal, in length and window. Rows past
-    # cu_seqlens_q[-1] own no request, so they attend to nothing and come out as zeros.
-    own = (req[:, None] == torch.arange(num_reqs, device=q.device)[None, :]) & (rows < cu[-1])[:, None]  # [T, B]
-    per_req = _key_mask(q_pos[None, :], torch.arange(span, device=q.device), lens, window)  # [B, T, S]
-    mask = (per_req & own.T[:, :, None]).permute(1, 0, 2).reshape(1, 1, num_tokens, num_reqs * span)
-    k_all = k.reshape(1, num_reqs * span, *k.shape[2:]).transpose(1, 2)  # [1, K, B*S, D]
-    v_all = v.reshape(1, num_reqs * span, *v.shape[2:]).transpose(1, 2)
-    out = _masked_sdpa(q.transpose(0, 1)[None], k_all, v_all, mask, scale)  # [1, H, T, D]
-    return out[0].transpose(0, 1).to(q.dtype)
+    if torch.compiler.is_compiling():
+        return _extend_ref_op(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size=page_size,
+                              scale=scale, window=window)  # fmt: skip
+    return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
+
+
+@torch.library.custom_op("astrai::extend_attention_ref", mutates_args=())
+def _extend_ref_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor, *,
+    page_size: int, scale: float, window: int = 0,
+) -> Tensor:  # fmt: skip
+    """`extend_attention_ref` as an op that compiled graphs call without tracing into it."""
+    return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
+
+
+@_extend_ref_op.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, page_size, scale, window=0):
+    return q.new_empty(q.shape)
 
 
 def _extend_per_request(
@@ -261,7 +260,7 @@ def _extend_per_request(
     batched = set(single) if len(single) > 1 else set()
     for b, length in enumerate(lens):
         start, end = cu[b], cu[b + 1]
-        if end == start or b in batched:
+        if end == start or length == 0 or b in batched:  # length 0: a padding request, attends to nothing
             continue
         pages = block_table[b : b + 1, : triton.cdiv(length, page_size)]  # [1, P_b]: only the pages it uses
         lens_b = seq_lens[b : b + 1]

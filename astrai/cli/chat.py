@@ -27,7 +27,7 @@ class ChatConfig(ModelArgs):
     top_p: float = 0.95
     """Nucleus mass (1: off)."""
     compile: bool = False
-    """torch.compile the decode step (faster replies after a one-off compile)."""
+    """torch.compile the decode step, and on CUDA the prefill step (faster replies after a one-off compile)."""
 
 
 def main(cfg: ChatConfig) -> None:

@@ -26,7 +26,7 @@ class GenerateConfig(ModelArgs):
     top_p: float = 1.0
     """Nucleus mass (1: off)."""
     compile: bool = False
-    """torch.compile the decode step (faster decode after a one-off compile of tens of seconds on CPU)."""
+    """torch.compile the decode step, on CUDA the prefill step too (a one-off compile of tens of seconds on CPU)."""
 
 
 def stream_text(engine, prompt_ids: list[int], params) -> str:

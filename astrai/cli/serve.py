@@ -91,7 +91,7 @@ class ServeConfig(ModelArgs):
     allow_special_tokens_in_content: bool = False
     """Encode special-token text in chat messages (`<|im_end|>`) as control tokens, not as plain text."""
     compile: bool = True
-    """torch.compile the decode step (first requests wait for the compile)."""
+    """torch.compile the decode step, and on CUDA the prefill step (compiled at start)."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from CUDA graphs, captured for every batch bucket at start (dense models)."""
     pack_weights: bool = True

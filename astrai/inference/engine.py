@@ -87,7 +87,10 @@ class EngineConfig:
     prefix_cache: bool = True
     """Share K/V of common prefixes through the radix cache."""
     compile: bool = True
-    """torch.compile the decode step and the sampler."""
+    """torch.compile the decode step and the sampler, and the prefill step per `compile_prefill`."""
+    compile_prefill: bool | None = None
+    """With `compile`, compile the prefill step too; None: on CUDA only. On CPU it measured no faster than eager
+    (docs/inference.md) and its first compile takes ~40 s for a 135M model."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured on first use (dense GQA models;
     MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
@@ -147,24 +150,21 @@ class Engine:
         self.radix = RadixCache(self.pool) if cfg.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len)  # fmt: skip
-        runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile,
-                         max_running=cfg.max_running, max_model_len=self.max_model_len,
+        runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=cfg.max_running,
+                         compile_prefill=cfg.compile_prefill, max_model_len=self.max_model_len,
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
         self.fatal: str | None = None  # why the engine cannot run any more (a tensor-parallel rank died)
         if tp_size > 1:
             self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, **runner_kw)
         else:
             self.runner = ModelRunner(model, **runner_kw)
-        self._rng = random.Random(cfg.seed)
-        self._arrival = itertools.count()
+        self._rng, self._arrival = random.Random(cfg.seed), itertools.count()
         self._tracked: dict[str, RequestDelivery] = {}
-        self._inbox: list[RequestDelivery] = []
-        self._aborts: list[str] = []
-        self._cv = threading.Condition()
+        self._inbox, self._aborts = [], []  # RequestDelivery to admit, request ids to abort (engine thread)
+        self._cv, self._grammar_lock = threading.Condition(), threading.Lock()
         self._stop, self._error = False, None
         self._generated, self._rate = 0, 0.0
         self._grammar_view: TokenizerView | None = None
-        self._grammar_lock = threading.Lock()
         self._thread = None
         if cfg.background:
             self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)

@@ -4,7 +4,11 @@ A step whose sequences all feed exactly one token and all sample is a *decode* s
 (compiled with a symbolic batch size; on CUDA replayed from per-bucket CUDA graphs, `astrai.inference.graphs`,
 whose padding rows write to the null page and attend to nothing). Any other step (prefill chunks, prefix-hit
 extends, mixed with decodes) runs `prefill_step` over the flattened tokens with `logits_positions` = the rows
-that sample. Sampling is a separate (compiled) call on the sampled rows only.
+that sample, compiled with symbolic token, request and sampled-row counts. So that one graph serves every
+prefill step, the host pads those counts past the sizes `torch.compile` would specialise on: at least 2
+requests (0 and 1 are specialised; a padding request feeds one token that writes nowhere and attends to nothing)
+and more than `ops.linear.MAX_REDUCE_ROWS` tokens and sampled rows (the few-row matvec branch; extra sampled
+rows repeat row 0 and are dropped). Sampling is a separate (compiled) call on the sampled rows only.
 
 Grammar-constrained rows: after the forward is launched and before the sampler runs, the host fills the bitmask
 rows of the sampled sequences that hold a matcher (llguidance's thread pool, GIL released; unconstrained rows are
@@ -37,12 +41,14 @@ from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
+from astrai.ops.linear import MAX_REDUCE_ROWS
 from astrai.ops.packed_linear import is_group_packed, pack_group, packable, repack
 from astrai.tree import tree_map
 
 logger = logging.getLogger(__name__)
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+PREFILL_MIN_ROWS = MAX_REDUCE_ROWS + 1  # a compiled prefill step pads its tokens and sampled rows to at least this
 
 
 def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
@@ -51,6 +57,12 @@ def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
     for t in (tokens, meta.positions, meta.slot_mapping, meta.seq_lens, meta.cu_seqlens_q, meta.block_table):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
+
+
+def prefill_padding(num_requests: int, num_tokens: int) -> int:
+    """Padding requests a compiled prefill step adds (one token each): to at least 2 requests and more than
+    `MAX_REDUCE_ROWS` tokens, so every step matches one graph (see the module docstring)."""
+    return max(0, 2 - num_requests, PREFILL_MIN_ROWS - num_tokens)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -135,6 +147,7 @@ class ModelRunner:
         max_model_len: int,
         cuda_graphs: bool = True,
         pack_weights: bool = False,
+        compile_prefill: bool | None = None,
         tp: TensorParallel | None = None,
     ) -> None:
         # under tensor parallel `model` is this rank's shard with its local config (astrai.models.tp), and the
@@ -153,7 +166,12 @@ class ModelRunner:
         # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
         # capture it once per batch bucket
         self.compiled_decode = compile_step(decode_step, cfg=self.cfg) if compile_steps else None
+        if compile_prefill is None:  # on CPU the compiled prefill measured no faster and takes long to compile
+            compile_prefill = self.cuda
+        self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg) if compile_steps and compile_prefill else None
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
+        if self.compiled_prefill is not None:
+            self.warm_prefill()
         self.graphs = None
         if self.cuda and cuda_graphs and graphs_supported(model):
             self.graphs = self.make_decode_graphs(capture=True)
@@ -184,6 +202,13 @@ class ModelRunner:
 
         return DecodeGraphs(step, max_rows=bucket(self.max_running, self.max_running), width=self.max_width,
                             page_size=self.page_size, device=self.device, capture=capture)  # fmt: skip
+
+    @torch.inference_mode()
+    def warm_prefill(self) -> None:
+        """Compile the prefill step now (at engine start, like the decode graphs on CUDA), not on the first prompt:
+        one step of padding requests only, which write nothing to the pool and attend to nothing."""
+        tokens, meta = self._host_meta([], decode=False, rows=PREFILL_MIN_ROWS, width=2)
+        self.run(StepInputs("prefill", tokens, meta, torch.zeros(PREFILL_MIN_ROWS, dtype=torch.long)))
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def _host_meta(
@@ -216,8 +241,13 @@ class ModelRunner:
                 return StepInputs("graph", tokens, meta, n)
             tokens, meta = self._host_meta(plan, decode=True, rows=n, width=self._width(plan))
             return StepInputs("decode", tokens, meta, n)
-        tokens, meta = self._host_meta(plan, decode=False, rows=len(plan), width=self._width(plan))
+        requests = len(plan)
+        if self.compiled_prefill is not None:
+            requests += prefill_padding(len(plan), sum(item.num_new for item in plan))
+        tokens, meta = self._host_meta(plan, decode=False, rows=requests, width=self._width(plan))
         rows = logits_rows(meta)[torch.tensor(sampling, dtype=torch.long)]  # each sampled sequence's last token
+        if self.compiled_prefill is not None and len(sampling) < PREFILL_MIN_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(PREFILL_MIN_ROWS - len(sampling))])  # dropped after the forward
         return StepInputs("prefill", tokens, meta, rows)
 
     def run(self, step: StepInputs) -> Tensor:
@@ -229,7 +259,12 @@ class ModelRunner:
             if self.compiled_decode is not None:
                 _mark_dynamic(tokens, meta)
             return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
-        return self.eager_prefill(self.model.params, tokens, meta, self.cache, step.rows.to(self.device))
+        rows = step.rows.to(self.device)
+        if self.compiled_prefill is not None:
+            _mark_dynamic(tokens, meta)
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            return self.compiled_prefill(self.model.params, tokens, meta, self.cache, rows)
+        return self.eager_prefill(self.model.params, tokens, meta, self.cache, rows)
 
     @torch.inference_mode()
     def execute(self, plan: Sequence[ScheduledSeq], *, vocab_size: int) -> dict[int, SampledToken]:
@@ -237,7 +272,7 @@ class ModelRunner:
         if not plan:
             return {}
         sampling = [i for i, item in enumerate(plan) if item.sample]
-        logits = self.run(self.plan_step(plan, sampling))
+        logits = self.run(self.plan_step(plan, sampling))[: len(sampling)]  # drops a compiled prefill's padding
         if not sampling:
             return {}
         return self._sample(logits, [plan[i].seq for i in sampling], sampling, vocab_size)

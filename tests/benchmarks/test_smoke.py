@@ -138,10 +138,14 @@ def test_structured_smoke_reports_json(tmp_path):
 
 @pytest.mark.slow  # ~35 s on 2 cores: compiles the decode step
 def test_profile_step_smoke_measures_both_step_kinds(tmp_path):
-    """profile_step: a decode and a mixed step were timed and profiled; the eager prefill's GEMMs were found (the
-    CPU path counts aten::mm), and it runs more operators than the compiled decode step."""
+    """profile_step: a decode step and a mixed step through the compiled and the eager prefill were timed and
+    profiled; the prefill's GEMMs were found, and the eager step runs more operators than the compiled one."""
     report = _smoke("profile_step.py", tmp_path, timeout=600, args=("--trace-dir", str(tmp_path / "traces")))
-    decode, mixed = report["rows"]
-    assert (decode["step"], mixed["step"]) == ("decode", "mixed") and decode["ms"] > 0 and mixed["ms"] > 0
-    assert mixed["gemm_ms"] > 0 and mixed["x_gemm"] >= 1 and mixed["launches"] > decode["launches"] > 0
+    decode, compiled, eager = report["rows"]
+    assert [(r["step"], r["prefill"]) for r in report["rows"]] == [("decode", "-"), ("mixed", "compiled"),
+                                                                   ("mixed", "eager")]  # fmt: skip
+    assert all(r["ms"] > 0 for r in report["rows"])
+    for mixed in (compiled, eager):
+        assert mixed["gemm_ms"] > 0 and mixed["x_gemm"] >= 1 and mixed["launches"] > decode["launches"] > 0
+    assert eager["launches"] > compiled["launches"]
     assert all(Path(row["trace"]).is_file() and row["top"] for row in report["rows"])

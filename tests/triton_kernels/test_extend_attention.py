@@ -137,10 +137,24 @@ def test_strided_query() -> None:
     assert_close(out, extend_attention_ref(**batch, scale=0.125), atol=1e-5, rtol=1e-5)
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("kernel", [extend_attention, extend_attention_ref], ids=["triton", "ref"])
+def test_padding_requests_attend_to_nothing(kernel) -> None:
+    """A compiled prefill step pads its batch with requests of one token and length 0 (`ModelRunner`): their rows
+    come out as zeros, and the real request's rows are those of the batch without them."""
+    batch = make_batch([6, 1, 1], [3, -1, -1], 4, 2, 64, 4, torch.float32)  # prefix -1: nothing in the pool
+    assert batch["seq_lens"].tolist() == [9, 0, 0]
+    real = dict(batch, q=batch["q"][:6], cu_seqlens_q=batch["cu_seqlens_q"][:2], seq_lens=batch["seq_lens"][:1],
+                block_table=batch["block_table"][:1])  # fmt: skip
+    out = kernel(**batch, scale=0.125)
+    assert not out[6:].any() and out[:6].isfinite().all()
+    assert_close(out[:6], extend_attention_ref(**real, scale=0.125), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["extend_attention", "extend_attention_ref"])  # the ref: what compiled CPU steps call
+def test_opcheck(op: str) -> None:
     batch = make_batch([5, 3], [2, 0], 4, 2, 64, 4, torch.float32)
     args = tuple(batch[k] for k in ("q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_table"))
-    torch.library.opcheck(torch.ops.astrai.extend_attention.default, args, dict(page_size=4, scale=0.125, window=3))
+    torch.library.opcheck(getattr(torch.ops.astrai, op).default, args, dict(page_size=4, scale=0.125, window=3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
