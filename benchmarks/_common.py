@@ -108,3 +108,15 @@ def emit(result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     console.file.flush()
     print(json.dumps(result), flush=True)
+
+
+def hf_generate_kwargs(mode: str, cache_len: int) -> dict:
+    """transformers `generate` keywords of a baseline: "static-compile" (its fastest decode path: a static cache
+    of `cache_len` tokens and `torch.compile`, on every device) or "eager" (a DynamicCache, no compile)."""
+    if mode != "static-compile":
+        return dict(disable_compile=True)
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    return dict(cache_implementation="static", max_cache_len=cache_len, compile_config=compile_config)

@@ -1,12 +1,16 @@
 """Engine throughput and latency vs transformers on the same random weights (SmolLM2-135M-shaped; CPU or CUDA).
 
 Sections (one run, side by side):
-  (a) single stream: batch-1 greedy decode tok/s, engine (compiled decode) vs transformers; roofline fraction.
+  (a) single stream: batch-1 greedy decode tok/s, engine (compiled decode) vs transformers eager (DynamicCache)
+      and transformers' fastest path (static cache + `torch.compile`), each warmed up, then `--repeats` runs
+      alternating, reported as the median with min-max; roofline fraction.
   (b) N requests of P-token prompts and G new tokens: engine throughput (all submitted at once) vs
       transformers one by one (timed on a few requests, per-request rate) and vs transformers' padded-batch
       `generate`; the engine and the padded batch run `--repeats` times each, alternating (other prompts per
       engine run, so the radix cache gains nothing), reported as the median with min-max.
-  (c) 16 requests sharing an S-token system prompt: prefill tokens computed and wall time, radix on vs off.
+  (c) 16 requests sharing an S-token system prompt: prefill tokens computed and wall time, radix on vs off,
+      cold (nothing cached: the batch's first prefill computes the system prompt) and warm (a second batch
+      with the system prompt already cached).
   (d) TTFT and inter-token latency p50/p99 of the engine's streams in (b).
   (e) CUDA only: the engine's decode with and without CUDA graphs ((a) and (b) again with `cuda_graphs=False`).
 The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
@@ -25,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import console, device_peaks, emit, table
+from _common import console, device_peaks, emit, hf_generate_kwargs, table
 
 import astrai
 from astrai.configs.models import NAMED
@@ -53,14 +57,16 @@ def prompts(n: int, length: int, vocab: int, seed: int, prefix: list[int] | None
     return [(prefix or []) + torch.randint(1, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def hf_generate(hf, batch: list[list[int]], new: int) -> float:
-    """Seconds for transformers' greedy generate of a left-padded batch (exactly `new` tokens each)."""
+def hf_generate(hf, batch: list[list[int]], new: int, **extra) -> float:
+    """Seconds for transformers' greedy generate of a left-padded batch (exactly `new` tokens each); `extra`:
+    more `generate` keywords (`_common.hf_generate_kwargs`)."""
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                    **extra)  # fmt: skip
     if hf.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -102,12 +108,27 @@ def single_decode_tok_s(engine: Engine, model, args) -> float:
 
 def section_single(hf, engine: Engine, model, args) -> dict:
     prompt = prompts(1, 32, model.config.vocab_size, 1)
-    hf_generate(hf, prompt, 4)  # warm up (CUDA context, cuBLAS handles) outside the timing
-    hf_s = hf_generate(hf, prompt, args.new) - hf_generate(hf, prompt, 1)  # decode only
-    engine_tok_s, hf_tok_s = single_decode_tok_s(engine, model, args), (args.new - 1) / hf_s
+    baselines = {mode: hf_generate_kwargs(mode, 32 + args.new) for mode in ("eager", "static-compile")}
+
+    def hf_tok_s(extra: dict) -> float:  # decode only: `new` tokens minus the prefill and first token
+        return (args.new - 1) / (hf_generate(hf, prompt, args.new, **extra) - hf_generate(hf, prompt, 1, **extra))
+
+    for extra in baselines.values():  # warm up outside the timing (CUDA context, cuBLAS, the static compile)
+        hf_tok_s(extra)
+    rates = {"engine": [], **{mode: [] for mode in baselines}}
+    for _ in range(args.repeats):  # alternating, so each sees the same minutes of a shared machine
+        rates["engine"].append(single_decode_tok_s(engine, model, args))
+        for mode, extra in baselines.items():
+            rates[mode].append(hf_tok_s(extra))
+    med = {k: statistics.median(v) for k, v in rates.items()}
     weight_bytes = model.nbytes - (0 if model.params.lm_head is None else model.params.embed_tokens.weight.nbytes)
-    return dict(hf_tok_s=hf_tok_s, engine_tok_s=engine_tok_s, speedup=engine_tok_s / hf_tok_s,
-                roofline=weight_bytes * engine_tok_s / (args.bandwidth * 1e9))  # fmt: skip
+    out = dict(engine_tok_s=med["engine"], hf_tok_s=med["eager"], hf_static_compile_tok_s=med["static-compile"],
+               speedup=med["engine"] / med["eager"], speedup_vs_static_compile=med["engine"] / med["static-compile"],
+               roofline=weight_bytes * med["engine"] / (args.bandwidth * 1e9), repeats=args.repeats)  # fmt: skip
+    for key, values in (("engine_tok_s", rates["engine"]), ("hf_tok_s", rates["eager"]),
+                        ("hf_static_compile_tok_s", rates["static-compile"])):  # fmt: skip
+        out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
+    return out
 
 
 def warm_batch(engine: Engine, model, n: int, args) -> None:
@@ -137,18 +158,23 @@ def section_batch(hf, engine: Engine, model, n: int, args) -> dict:
 
 
 def section_prefix(model, args, make_engine) -> dict:
-    system = prompts(1, args.system_len, model.config.vocab_size, 7)[0]
-    batch = prompts(16, 16, model.config.vocab_size, 8, prefix=system)
-    out = {}
+    """(c): cold, the first batch meets an empty cache; warm, a second batch (other tails) finds the system
+    prompt cached by the first. The warm-up request shares nothing with them."""
+    vocab = model.config.vocab_size
+    system = prompts(1, args.system_len, vocab, 7)[0]
+    batches = {"cold": prompts(16, 16, vocab, 8, prefix=system), "warm": prompts(16, 16, vocab, 9, prefix=system)}
+    out = {phase: {} for phase in batches}
     for radix in (True, False):
         with make_engine(prefix_cache=radix) as engine:
-            engine_run(engine, batch[:1], 2)  # warm up (and, with the radix, cache the system prompt once)
-            before = engine.stats().prompt_tokens
-            run = engine_run(engine, batch, args.prefix_new)
-            out["on" if radix else "off"] = dict(prefill_tokens=engine.stats().prompt_tokens - before,
-                                                 wall_s=run["wall_s"])  # fmt: skip
-    out["fewer_prefill_tokens"] = out["off"]["prefill_tokens"] / max(out["on"]["prefill_tokens"], 1)
-    out["speedup"] = out["off"]["wall_s"] / out["on"]["wall_s"]
+            engine_run(engine, prompts(1, args.system_len + 16, vocab, 6), 2)  # the same shapes, another prompt
+            for phase, batch in batches.items():
+                before = engine.stats().prompt_tokens
+                run = engine_run(engine, batch, args.prefix_new)
+                out[phase]["on" if radix else "off"] = dict(prefill_tokens=engine.stats().prompt_tokens - before,
+                                                            wall_s=run["wall_s"])  # fmt: skip
+    for phase in out.values():
+        phase["fewer_prefill_tokens"] = phase["off"]["prefill_tokens"] / max(phase["on"]["prefill_tokens"], 1)
+        phase["speedup"] = phase["off"]["wall_s"] / phase["on"]["wall_s"]
     return out
 
 
@@ -216,25 +242,22 @@ def run(args) -> dict:
 
 
 def show(r: dict) -> None:
-    s = r["single"]
-    console.print(
-        table(
-            f"(a) single stream, {r['config']} {r['dtype']}, {r['threads']} threads",
-            [s],
-            [("hf_tok_s", ".1f"), ("engine_tok_s", ".1f"), ("speedup", ".2f"), ("roofline", ".0%")],
-        )
-    )
+    cols = [("engine_tok_s", ".1f"), ("hf_tok_s", ".1f"), ("speedup", ".2f"), ("hf_static_compile_tok_s", ".1f"),
+            ("speedup_vs_static_compile", ".2f"), ("roofline", ".0%")]  # fmt: skip
+    title = f"(a) single stream, {r['config']} {r['dtype']}, {r['threads']} threads, median of {r['single']['repeats']}"
+    console.print(table(title, [r["single"]], cols))
     cols = [("requests", ""), ("engine_tok_s", ".0f"), ("engine_tok_s_min", ".0f"), ("engine_tok_s_max", ".0f"),
             ("hf_one_by_one_tok_s", ".1f"), ("vs_one_by_one", ".1f"), ("hf_padded_tok_s", ".0f"),
             ("hf_padded_tok_s_min", ".0f"), ("hf_padded_tok_s_max", ".0f"), ("vs_padded", ".2f"),
             ("ttft_p50", ".2f"), ("ttft_p99", ".2f"), ("itl_p50", ".3f"), ("itl_p99", ".3f")]  # fmt: skip
     console.print(table(f"(b, d) {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens (seconds)",
                         r["batch"], cols))  # fmt: skip
-    p = r["prefix"]
-    rows = [dict(radix=k, **p[k]) for k in ("on", "off")]
-    console.print(table(f"(c) 16 requests sharing a system prompt: {p['fewer_prefill_tokens']:.1f}x fewer prefill "
-                        f"tokens, {p['speedup']:.2f}x faster", rows,
-                        [("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f")]))  # fmt: skip
+    rows = [dict(cache=phase, radix=k, **p[k], fewer_prefill_tokens=p["fewer_prefill_tokens"] if k == "on" else None,
+                 speedup=p["speedup"] if k == "on" else None)
+            for phase, p in r["prefix"].items() for k in ("on", "off")]  # fmt: skip
+    console.print(table("(c) 16 requests sharing a system prompt, radix on vs off", rows,
+                        [("cache", ""), ("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f"),
+                         ("fewer_prefill_tokens", ".1f"), ("speedup", ".2f")]))  # fmt: skip
     if "graphs" in r:
         console.print(table("(e) engine decode tok/s with and without CUDA graphs", r["graphs"]["rows"],
                             [("requests", ""), ("graphs_tok_s", ".0f"), ("no_graphs_tok_s", ".0f"),
@@ -249,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--one-by-one", type=int, default=3, help="requests timed one by one in transformers")
-    parser.add_argument("--repeats", type=int, default=3, help="(b): engine and padded-batch runs per size")
+    parser.add_argument("--repeats", type=int, default=3, help="(a), (b): timed runs of each side, alternating")
     parser.add_argument("--system-len", type=int, default=512)
     parser.add_argument("--prefix-new", type=int, default=16)
     parser.add_argument("--step-tokens", type=int, default=2048)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import attrs
 import torch
-from _common import PEAKS, console, emit, table
+from _common import PEAKS, console, emit, hf_generate_kwargs, table
 
 import astrai
 from astrai.configs.models import NAMED
@@ -190,15 +190,7 @@ def hf_batches(ins: list[int], outs: list[int], size: int) -> list[list[int]]:
 
 def hf_run(hf, batch: list[list[int]], outs: list[int], groups: list[list[int]], mode: str, cache_len: int) -> dict:
     """transformers' `generate` over the padded groups; seconds and the tokens it computed (padding included)."""
-    from transformers import CompileConfig
-
-    extra = {}
-    if mode == "static-compile":
-        compile_config = CompileConfig()
-        compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told
-        extra = dict(cache_implementation="static", max_cache_len=cache_len, compile_config=compile_config)
-    else:
-        extra = dict(disable_compile=True)
+    extra = hf_generate_kwargs(mode, cache_len)
     computed = 0
     start = time.perf_counter()
     for group in groups:

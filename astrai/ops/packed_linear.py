@@ -11,7 +11,8 @@ an opaque tensor that cannot be a `torch.compile` input. So:
   tensor's identity (`WeakIdKeyDictionary`: the entry dies with the weight, so packs are released with the
   model and a reloaded model never meets a stale pack). Each entry records the weight's `_version`; a weight
   changed in place since it was packed is repacked on its next use. Writes through `.data` bypass the
-  version counter: `repack` (called by `Engine.update_params`) covers them.
+  version counter, and inference tensors (a model loaded under `torch.inference_mode`) have none: `repack`
+  (called by `Engine.update_params`) covers them.
 - `packed_linear(x, weight, bias)` is a custom op, opaque to `torch.compile` (the compiled graph passes the
   very weight tensor it was called with, so the lookup works inside compiled steps too). A weight with no
   pack runs `F.linear`, so the op is always correct; it only gets faster for the weights someone packed.
@@ -55,8 +56,13 @@ def packable(weight: Tensor) -> bool:
     )
 
 
+def _versions(weights: Sequence[Tensor]) -> tuple[int | None, ...]:
+    # inference tensors track no version (reading `_version` raises): their in-place changes need `repack`
+    return tuple(None if w.is_inference() else w._version for w in weights)
+
+
 def _store(weights: Sequence[Tensor], packed: Tensor) -> Tensor:
-    entry = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights), packed)
+    entry = (tuple(weakref.ref(w) for w in weights), _versions(weights), packed)
     _PACKS.setdefault(weights[0], {})[tuple(id(w) for w in weights)] = entry
     return packed
 
@@ -125,7 +131,7 @@ def run_packed_group(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tens
     entry = _entry(weights) if x.dtype == weights[0].dtype and x.numel() else None
     if entry is None or any(b is not None and b.dtype != x.dtype for b in biases):
         return None
-    packed = entry[2] if entry[1] == tuple(w._version for w in weights) else _pack(weights)
+    packed = entry[2] if entry[1] == _versions(weights) else _pack(weights)
     bias = None
     if len(biases) == 1:
         bias = biases[0]

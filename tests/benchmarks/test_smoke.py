@@ -57,9 +57,13 @@ def test_smoke_mode_reports_json(script, tmp_path):
         assert all(r[f"{k}_ms"] > 0 for r in report["results"] for k in ("f_linear", "packed", "packed_groups"))
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
-    else:  # bench_engine: every section measured, and the radix saved prefill work
-        assert report["single"]["engine_tok_s"] > 0 and report["batch"][0]["engine_tok_s"] > 0
-        assert report["prefix"]["on"]["prefill_tokens"] < report["prefix"]["off"]["prefill_tokens"]
+    else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm
+        single = report["single"]
+        assert single["engine_tok_s"] > 0 and single["hf_tok_s"] > 0 and single["hf_static_compile_tok_s"] > 0
+        assert report["batch"][0]["engine_tok_s"] > 0
+        cold, warm = report["prefix"]["cold"], report["prefix"]["warm"]
+        assert cold["on"]["prefill_tokens"] < cold["off"]["prefill_tokens"] == warm["off"]["prefill_tokens"]
+        assert warm["on"]["prefill_tokens"] < cold["on"]["prefill_tokens"]
 
 
 def test_serve_smoke_reports_json(tmp_path):

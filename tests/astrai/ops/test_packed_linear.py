@@ -78,6 +78,18 @@ def test_packs_are_released_with_their_weights():
     assert packed.packed_bytes() == before
 
 
+def test_weights_made_under_inference_mode_pack():
+    # a model loaded inside torch.inference_mode holds inference tensors, which have no version counter
+    with torch.inference_mode():
+        weight, x = torch.randn(24, 16), torch.randn(12, 16)
+    packed.pack_weights([weight])
+    assert_close(packed.run_packed(x, weight, None), F.linear(x, weight), atol=1e-5)
+    with torch.inference_mode():
+        weight.mul_(2)  # untracked: the pack is stale until repacked
+        packed.repack([weight])
+    assert_close(packed.run_packed(x, weight, None), F.linear(x, weight), atol=1e-5)
+
+
 def test_gradients_and_autocast_bypass_the_pack():
     weight = torch.randn(16, 8)
     packed.pack_weights([weight])
