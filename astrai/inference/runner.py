@@ -4,8 +4,9 @@ A step whose sequences all feed exactly one token and all sample is a *decode* s
 (compiled with a symbolic batch size; on CUDA replayed from per-bucket CUDA graphs, `astrai.inference.graphs`,
 whose padding rows write to the null page and attend to nothing). Any other step (prefill chunks, prefix-hit
 extends, mixed with decodes) runs `prefill_step` over the flattened tokens with `logits_positions` = the rows
-that sample, compiled with symbolic token, request and sampled-row counts. So that one graph serves every
-prefill step, the host pads those counts past the sizes `torch.compile` would specialise on: at least 2
+that sample; with `compile_prefill` (by default on CUDA only) compiled with symbolic token, request and
+sampled-row counts, at start (`warm_prefill`). So that one graph serves every prefill step, the host then pads
+those counts past the sizes `torch.compile` would specialise on: at least 2
 requests (0 and 1 are specialised; a padding request feeds one token that writes nowhere and attends to nothing)
 and more than `ops.linear.MAX_REDUCE_ROWS` tokens and sampled rows (the few-row matvec branch; extra sampled
 rows repeat row 0 and are dropped). Sampling is a separate (compiled) call on the sampled rows only.
