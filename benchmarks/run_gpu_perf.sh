@@ -13,12 +13,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 stage decode_attention_autotuned "${ATTN_TIMEOUT:-60}" env ASTRAI_TRITON_AUTOTUNE=1 $py -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning tests/triton_kernels/test_decode_attention.py -k "compiled_gpu"
-stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-90}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-80}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   tests/astrai/inference/test_compiled_prefill.py tests/astrai/inference/test_engine.py \
   tests/astrai/models/test_deepseek_parity.py -k "compiled or prefill or cuda"
-stage profile_step "${PROFILE_TIMEOUT:-90}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
+stage profile_step "${PROFILE_TIMEOUT:-80}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
   --out "$out/h200_profile_step.json"
-stage bench_engine_gpu "${ENGINE_TIMEOUT:-120}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
+stage bench_engine_gpu "${ENGINE_TIMEOUT:-140}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
   --out "$out/h200_bench_engine.json"
 stage bench_throughput_gpu "${THROUGHPUT_TIMEOUT:-120}" $py benchmarks/bench_throughput.py --preset gpu --repeats 1 \
   --out "$out/h200_bench_throughput.json"
