@@ -1,13 +1,13 @@
 """Step functions: one prefill/extend step and one decode step over ragged batches, plus `compile_step`.
 
 Pure functions of (params, tokens, metadata, cache); the only side effect is the in-place KV write. `cfg` is
-bound with `functools.partial` before compiling. On CUDA decode compiles with `mode="reduce-overhead"` (CUDA
+bound before compiling (`compile_step`). On CUDA decode compiles with `mode="reduce-overhead"` (CUDA
 graphs) for fixed batch buckets; on CPU the default inductor mode.
 """
 
 from __future__ import annotations
 
-import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -59,5 +59,15 @@ def decode_step(
 
 
 def compile_step(fn: Callable[..., Any], *, cfg: ModelConfig, mode: str | None = None, **kwargs: Any) -> Callable:
-    """`torch.compile(partial(fn, cfg=cfg), fullgraph=True)`; `mode` e.g. "reduce-overhead" for CUDA graphs."""
-    return torch.compile(functools.partial(fn, cfg=cfg), fullgraph=True, mode=mode, **kwargs)
+    """`fn` with `cfg` bound, under `torch.compile(fullgraph=True)`; `mode` e.g. "reduce-overhead" for CUDA graphs.
+
+    `fn` runs from a private copy of its code object. Dynamo keeps compiled graphs, and counts recompiles
+    against `recompile_limit` (8), per code object: with the shared one, every engine in the process (each
+    model config, each shape specialisation) would draw on the same 8, and with `fullgraph=True` the ninth
+    compile raises `FailOnRecompileLimitHit`. A copy gives each compiled step its own cache and limit.
+    """
+    private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    # `cfg` bound as a keyword default rather than by `functools.partial`: Dynamo runs every partial through one
+    # shared wrapper function, whose code object would again hold every step's graphs
+    private.__kwdefaults__, private.__qualname__ = {**(fn.__kwdefaults__ or {}), "cfg": cfg}, fn.__qualname__
+    return torch.compile(private, fullgraph=True, mode=mode, **kwargs)

@@ -1,6 +1,9 @@
 """The compiled prefill step (issue 16 item 1): the same tokens and log-probs as the eager step, under staggered
 arrivals with chunked prefill, prefix-cache hits and mixed steps; and one graph for every prefill step."""
 
+import functools
+
+import attrs
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -122,3 +125,22 @@ def test_prefill_compiles_by_default_on_cuda_only(model):
     with Engine(model, EngineConfig(compile=False, compile_prefill=True, background=False,
                                     kv_budget_tokens=256)) as engine:  # fmt: skip
         assert engine.runner.compiled_prefill is None  # compile=False runs every step eagerly
+
+
+def _scaled(x, *, cfg):
+    return x * cfg.rms_norm_eps
+
+
+def test_each_compiled_step_has_its_own_recompile_limit(model):
+    # one engine per model config in a process (a notebook, this test suite): dynamo counts recompiles per code
+    # object, and with fullgraph=True the ninth of one code object raises; compile_step gives each its own
+    configs = [attrs.evolve(model.config, rms_norm_eps=1e-6 * (i + 1)) for i in range(10)]
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    for cfg in configs:
+        assert compile_step(_scaled, cfg=cfg, backend=CompileCounter())(x)[0] == cfg.rms_norm_eps
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # the shared code object: the control
+        for cfg in configs:
+            torch.compile(functools.partial(_scaled, cfg=cfg), fullgraph=True, backend=CompileCounter())(x)
+    torch._dynamo.reset()
