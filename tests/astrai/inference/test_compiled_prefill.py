@@ -131,10 +131,11 @@ def _scaled(x, *, cfg):
     return x * cfg.rms_norm_eps
 
 
-def test_each_compiled_step_has_its_own_recompile_limit(model):
+def test_each_compiled_step_has_its_own_recompile_limit(model, monkeypatch):
     # one engine per model config in a process (a notebook, this test suite): dynamo counts recompiles per code
     # object, and with fullgraph=True the ninth of one code object raises; compile_step gives each its own
-    configs = [attrs.evolve(model.config, rms_norm_eps=1e-6 * (i + 1)) for i in range(10)]
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # the default 8, made quick to reach
+    configs = [attrs.evolve(model.config, rms_norm_eps=1e-6 * (i + 1)) for i in range(4)]
     x = torch.ones(3)
     torch._dynamo.reset()
     for cfg in configs:
