@@ -131,10 +131,10 @@ def _scaled(x, *, cfg):
     return x * cfg.rms_norm_eps
 
 
-def test_each_compiled_step_has_its_own_recompile_limit(model, monkeypatch):
+@torch._dynamo.config.patch(recompile_limit=2)  # the default 8, made quick to reach (not monkeypatch: its undo
+def test_each_compiled_step_has_its_own_recompile_limit(model):  # deletes the config entry, breaking later tests)
     # one engine per model config in a process (a notebook, this test suite): dynamo counts recompiles per code
     # object, and with fullgraph=True the ninth of one code object raises; compile_step gives each its own
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # the default 8, made quick to reach
     configs = [attrs.evolve(model.config, rms_norm_eps=1e-6 * (i + 1)) for i in range(4)]
     x = torch.ones(3)
     torch._dynamo.reset()
