@@ -13,6 +13,7 @@ Sections (one run, side by side):
       with the system prompt already cached).
   (d) TTFT and inter-token latency p50/p99 of the engine's streams in (b).
   (e) CUDA only: the engine's decode with and without CUDA graphs ((a) and (b) again with `cuda_graphs=False`).
+  (f) `--overlap`: the engine with the overlap schedule on vs off, batch 1 and each N of (b), alternating.
 The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
 docs/inference.md for why a background engine thread is slower on a 2-core CPU.
 Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds.
@@ -21,6 +22,7 @@ Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import sys
@@ -195,6 +197,30 @@ def section_graphs(model, args, make_engine, report: dict) -> dict:
     return dict(rows=rows)
 
 
+def section_overlap(model, args, make_engine) -> dict:
+    """(f) the overlap schedule on vs off (`EngineConfig.overlap_schedule`): batch 1 and each of --requests,
+    alternating engines run by run, median of --repeats with min-max. On CPU the forward is synchronous, so the
+    two should match; on a GPU the host's scheduling and delivery hide behind the running step."""
+    rows, vocab = [], model.config.vocab_size
+    with make_engine(overlap=False) as off, make_engine(overlap=True) as on:
+        for engine in (off, on):
+            warm_up(engine, model, args)
+        for n in (1, *args.requests):
+            rates = {"off": [], "on": []}
+            for r in range(args.repeats):
+                batch = prompts(n, args.prompt_len, vocab, 31 * n + r)
+                for key, engine in (("off", off), ("on", on)):
+                    warm_batch(engine, model, n, args)
+                    rates[key].append(engine_run(engine, batch, args.new)["tok_s"])
+            row = dict(requests=n, repeats=args.repeats)
+            for key, values in rates.items():
+                row[f"{key}_tok_s"] = statistics.median(values)
+                row[f"{key}_tok_s_min"], row[f"{key}_tok_s_max"] = min(values), max(values)
+            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+            rows.append(row)
+    return dict(rows=rows)
+
+
 def warm_up(engine: Engine, model, args) -> None:
     """Compile the steps (and capture the CUDA graphs) for the batch sizes the sections use."""
     for n in sorted({1, 2, *args.requests}):
@@ -212,9 +238,11 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf, model = build(args.config, dtype, Path(tmp), args.device)
 
-    def make_engine(prefix_cache: bool = True, cuda_graphs: bool = True) -> Engine:
-        cfg = EngineConfig(max_running=max(args.requests), max_step_tokens=args.step_tokens, compile=True,
-                           prefix_cache=prefix_cache, background=False, cuda_graphs=cuda_graphs)  # fmt: skip
+    def make_engine(prefix_cache: bool = True, cuda_graphs: bool = True, overlap: bool = False,
+                    compile: bool = True) -> Engine:  # fmt: skip
+        cfg = EngineConfig(max_running=max(args.requests), max_step_tokens=args.step_tokens, compile=compile,
+                           prefix_cache=prefix_cache, background=False, cuda_graphs=cuda_graphs,
+                           overlap_schedule=overlap)  # fmt: skip
         return Engine(model, cfg)
 
     machine = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
@@ -234,10 +262,14 @@ def run(args) -> dict:
             console.print(f"[dim](b) {n} requests...[/]")
             report["batch"].append(section_batch(hf, engine, model, n, args))
     console.print("[dim](c) shared system prompt, radix on/off...[/]")
-    report["prefix"] = section_prefix(model, args, make_engine)
+    # --smoke: eager engines, which count the same prefill tokens without two more compiles
+    report["prefix"] = section_prefix(model, args, functools.partial(make_engine, compile=not args.smoke))
     if cuda:
         console.print("[dim](e) CUDA graphs off...[/]")
         report["graphs"] = section_graphs(model, args, make_engine, report)
+    if args.overlap:
+        console.print("[dim](f) overlap schedule on vs off...[/]")
+        report["overlap"] = section_overlap(model, args, make_engine)
     return report
 
 
@@ -262,6 +294,11 @@ def show(r: dict) -> None:
         console.print(table("(e) engine decode tok/s with and without CUDA graphs", r["graphs"]["rows"],
                             [("requests", ""), ("graphs_tok_s", ".0f"), ("no_graphs_tok_s", ".0f"),
                              ("speedup", ".2f")]))  # fmt: skip
+    if "overlap" in r:
+        console.print(table("(f) engine tok/s, overlap schedule on vs off (median, min-max)", r["overlap"]["rows"],
+                            [("requests", ""), ("on_tok_s", ".1f"), ("on_tok_s_min", ".1f"), ("on_tok_s_max", ".1f"),
+                             ("off_tok_s", ".1f"), ("off_tok_s_min", ".1f"), ("off_tok_s_max", ".1f"),
+                             ("speedup", ".2f")]))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--overlap", action="store_true", help="(f): the overlap schedule on vs off")
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

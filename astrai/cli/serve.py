@@ -93,7 +93,10 @@ class ServeConfig(ModelArgs):
     compile: bool = True
     """torch.compile the decode step, and on CUDA the prefill step (compiled at start)."""
     cuda_graphs: bool = True
-    """CUDA: replay decode steps from CUDA graphs, captured for every batch bucket at start (dense models)."""
+    """CUDA: replay decode steps from CUDA graphs, captured for every batch bucket at start."""
+    async_scheduling: bool = False
+    """Overlap schedule (vLLM's flag; SGLang's overlap scheduler): plan step N+1 while the device runs step N,
+    deliver N's tokens after N+1 is queued. Off by default until measured on a GPU; on CPU it changes nothing."""
     pack_weights: bool = True
     """CPU: a oneDNN-packed copy of the projection weights for batched decode and prefill (faster; costs the
     weights' memory once more; skipped when free memory is short)."""
@@ -158,7 +161,8 @@ def engine_config(cfg: ServeConfig):
                         kv_budget_tokens=cfg.kv_budget, gpu_memory_utilization=cfg.gpu_memory_utilization,
                         page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
-                        tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
+                        tensor_parallel_size=cfg.tensor_parallel_size,
+                        overlap_schedule=cfg.async_scheduling)  # fmt: skip
 
 
 def _prepare_grammar(engine: Engine) -> None:

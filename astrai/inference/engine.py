@@ -3,7 +3,9 @@
 Requests are submitted from any thread (or event loop) and come back as `RequestHandle`s (`handle.py`) that
 yield stream `Delta`s and a final `Completion`. The engine thread loops: take new requests and aborts,
 `Scheduler.schedule`, `ModelRunner.execute`, `Scheduler.update`, then `RequestDelivery` detokenizes and
-delivers (`delivery.py`). This module owns only the threads, submission and validation; see docs/inference.md.
+delivers (`delivery.py`). With `EngineConfig.overlap_schedule` the step is launched (`ModelRunner.launch`) and
+the one before it collected, updated and delivered while it runs (docs/inference.md, "Overlap schedule"). This
+module owns only the threads, submission and validation; see docs/inference.md.
 
 A request with `SamplingParams.grammar` has it compiled in `submit`, on the caller's thread (`compile_grammar`,
 cached; a grammar that does not compile is an `EngineInputError` naming the spec's `param`, never an error in the
@@ -30,23 +32,27 @@ import torch
 from astrai.inference.budget import activation_headroom, kv_budget_for_utilization
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
+from astrai.inference.engine_config import EngineConfig, EngineStats
 from astrai.inference.errors import EngineInputError
 from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
 from astrai.inference.grammar import compile_grammar as compile_source
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import GrammarSpec, SamplingParams
+from astrai.inference.plan import ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
-from astrai.inference.runner import ModelRunner
+from astrai.inference.runner import Launched, ModelRunner
 from astrai.inference.scheduler import Scheduler
-from astrai.inference.seq import split_n
+from astrai.inference.seq import needs_outputs, split_n
 from astrai.inference.tp import RankFailedError, TPRunner, tp_devices
 from astrai.io.model import Model
 from astrai.models.decoder import DecoderParams
 from astrai.models.tp import tp_config
 from astrai.ops.attention import pages_needed
 from astrai.tree import leaves
+
+__all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "EngineStats"]
 
 
 class EngineBusyError(RuntimeError):
@@ -55,83 +61,6 @@ class EngineBusyError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; the message carries it."""
-
-
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """Engine settings."""
-
-    page_size: int = 16
-    """Tokens per KV page (1 is supported)."""
-    kv_budget_tokens: int | None = None
-    """KV pool size in tokens; None sizes it from kv_memory_fraction (CUDA) or kv_budget_bytes (CPU)."""
-    kv_memory_fraction: float = 0.85
-    """CUDA: share of the free device memory (after loading the weights) given to the KV pool; unused when
-    gpu_memory_utilization is set."""
-    gpu_memory_utilization: float | None = None
-    """CUDA, vLLM's meaning: the fraction (0, 1] of the device's *total* memory this process may use for weights,
-    KV pool and activations together. The KV pool gets `utilization * total - torch's reserved memory (the
-    weights) - activation_headroom`, never more than the free memory less that headroom
-    (`kv_budget_for_utilization`). None: size the pool with kv_memory_fraction. Ignored on CPU."""
-    kv_budget_bytes: int = 1 << 30
-    """CPU: bytes of KV pool when kv_budget_tokens is None."""
-    max_running: int = 64
-    """Most sequences decoding at once."""
-    max_step_tokens: int = 2048
-    """Token budget of one step (decodes + prefill chunks); smaller means finer chunked prefill."""
-    max_waiting: int = 1024
-    """Most queued sequences (a request with n > 1 counts n); more raise EngineBusyError, and a request with
-    n > max_waiting is refused (EngineInputError naming n)."""
-    max_model_len: int | None = None
-    """Longest prompt + completion; default the model's max_position_embeddings."""
-    prefix_cache: bool = True
-    """Share K/V of common prefixes through the radix cache."""
-    compile: bool = True
-    """torch.compile the decode step and the sampler, and the prefill step per `compile_prefill`."""
-    compile_prefill: bool | None = None
-    """With `compile`, compile the prefill step too; None: on CUDA only. On CPU it measured no faster than eager
-    (docs/inference.md) and its first compile takes ~40 s for a 135M model."""
-    cuda_graphs: bool = True
-    """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured on first use (dense GQA models;
-    MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
-    pack_weights: bool = True
-    """CPU: keep a oneDNN-packed copy of each projection weight for many-row products (batched decode, prefill;
-    `astrai.ops.packed_linear`): faster, at the cost of the weights' memory once more (skipped when free memory
-    is short). Ignored on CUDA."""
-    seed: int | None = None
-    """Seed for the seeds of requests that give none (None: random)."""
-    tensor_parallel_size: int = 1
-    """Ranks the model is split over (`astrai.inference.tp`): heads, MLP columns, experts and vocab; rank r runs
-    on cuda:r when the machine has that many GPUs, else every rank on the CPU (gloo)."""
-    background: bool = True
-    """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
-    the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
-    `LLM`; on CPU that is faster, because OpenMP spins less in a second thread's worker pool."""
-
-    def __attrs_post_init__(self) -> None:
-        util = self.gpu_memory_utilization
-        if util is not None and not 0.0 < util <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-
-
-@attrs.frozen(kw_only=True)
-class EngineStats:
-    """A snapshot of the engine."""
-
-    running: int
-    waiting: int  # sequences (a request with n > 1 counts n), inbox included
-    kv_pages_total: int
-    kv_pages_used: int
-    kv_pages_cached: int
-    kv_pages_free: int
-    prefix_hit_rate: float
-    prompt_tokens: int
-    generated_tokens: int
-    generation_tokens_per_s: float
-    preemptions: int
-    steps: int
 
 
 class Engine:
@@ -164,6 +93,8 @@ class Engine:
         self._cv, self._grammar_lock = threading.Condition(), threading.Lock()
         self._stop, self._error = False, None
         self._generated, self._rate = 0, 0.0
+        # overlap schedule: the step launched but not yet collected (its plan, its launch, when it was launched)
+        self._pending: tuple[list[ScheduledSeq], Launched, float] | None = None
         self._grammar_view: TokenizerView | None = None
         self._thread = None
         if cfg.background:
@@ -434,7 +365,7 @@ class Engine:
         if self.config.background:
             raise RuntimeError("this engine steps on its own thread (EngineConfig.background=True)")
         with self._cv:
-            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+            if not (self._inbox or self._aborts or self._pending or self.scheduler.has_work()):
                 return False
         try:
             self._run_step()
@@ -453,7 +384,7 @@ class Engine:
 
     def _wait_for_work(self) -> bool:
         with self._cv:
-            while not (self._inbox or self._aborts or self._stop or self.scheduler.has_work()):
+            while not (self._inbox or self._aborts or self._stop or self._pending or self.scheduler.has_work()):
                 self._cv.wait()
             return not self._stop
 
@@ -465,17 +396,33 @@ class Engine:
             self.scheduler.add(tracked.seqs)
         for request_id in aborts:
             self._abort_now(request_id)
+        pending, self._pending = self._pending, None
+        if pending is not None and any(item.sample and needs_outputs(item.seq) for item in pending[0]):
+            self._collect(*pending)  # its sequences' next draw reads their tokens on the host
+            pending = None
         plan = self.scheduler.schedule()
         if not plan:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if pending is not None:
+                self._collect(*pending)  # the tokens it brings may let the next step run
+            elif self.scheduler.waiting and not self.scheduler.running:
                 # nothing runs and the queue's head cannot be admitted: no later step can change that, so fail
                 # every request loudly (EngineDeadError) instead of spinning on empty steps forever
                 head = self.scheduler.waiting[0]
                 raise RuntimeError(f"the scheduler cannot admit request {head.id} (sequence {head.index}) with "
                                    f"nothing running: {self.pool.num_free} free KV pages")  # fmt: skip
             return
-        start = time.perf_counter()
-        sampled = self.runner.execute(plan, vocab_size=self.model.config.vocab_size)
+        vocab, start = self.model.config.vocab_size, time.perf_counter()
+        if self.config.overlap_schedule:  # queue this step, then read the one before while the device runs it
+            self._pending = (plan, self.runner.launch(plan, vocab_size=vocab, previous=pending and pending[1]), start)
+            if pending is not None:
+                self._collect(*pending)
+            return
+        self._finish(plan, self.runner.execute(plan, vocab_size=vocab), start)
+
+    def _collect(self, plan: list[ScheduledSeq], launched: Launched, start: float) -> None:
+        self._finish(plan, self.runner.collect(launched), start)
+
+    def _finish(self, plan: list[ScheduledSeq], sampled: dict, start: float) -> None:
         self.scheduler.update(plan, sampled)
         self._rate = 0.9 * self._rate + 0.1 * len(sampled) / max(time.perf_counter() - start, 1e-9)
         self._deliver({item.seq.id for item in plan})

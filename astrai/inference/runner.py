@@ -36,7 +36,7 @@ from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.sampler import SampleOutput, sample
 from astrai.inference.sampling_batch import make_sampling_batch
-from astrai.inference.seq import Seq
+from astrai.inference.seq import Seq, needs_outputs
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
@@ -82,6 +82,35 @@ class StepInputs(NamedTuple):
     tokens: Tensor
     meta: AttnMeta
     rows: Tensor | int
+
+
+class Launched(NamedTuple):
+    """A step whose forward and sampling are queued on the device (`ModelRunner.launch`); `collect` reads it.
+
+    `rows[seq]` is the row of `tokens` (the sampled ids, on the device) that holds `seq`'s token: a next step
+    planned before this one is collected feeds that row (a placeholder `-1 - row`, resolved on the device).
+    """
+
+    sampling: list[int]
+    rows: dict[Seq, int]
+    tokens: Tensor | None
+    host: SampleOutput | None
+    ready: torch.cuda.Event | None
+
+
+def to_device_async(t: Tensor, device: torch.device) -> Tensor:
+    """`t` on `device` without a host sync: a CPU tensor bound for CUDA goes through pinned memory,
+    non_blocking (a pageable copy would wait for every kernel already queued, i.e. the step in flight)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def resolve_placeholders(tokens: Tensor, previous: Tensor) -> Tensor:
+    """Token ids with each placeholder `-1 - j` replaced by `previous[j]`, on the device (no host sync)."""
+    return torch.where(tokens < 0, previous[(-1 - tokens).clamp(min=0)], tokens)
 
 
 def graphs_supported(model: Model) -> bool:
@@ -213,12 +242,20 @@ class ModelRunner:
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def _host_meta(
-        self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int
+        self, plan: Sequence[ScheduledSeq], *, decode: bool, rows: int, width: int, previous: Launched | None = None
     ) -> tuple[Tensor, AttnMeta]:
-        """Host tokens and metadata for `plan`, padded to `rows` requests and a `width`-page block table."""
+        """Host tokens and metadata for `plan`, padded to `rows` requests and a `width`-page block table.
+
+        A sequence whose last token is still in flight (sampled by `previous`, not yet collected) feeds the
+        placeholder `-1 - row` of that token's row in `previous` (`resolve_placeholders`)."""
         tokens = []
         for item in plan:
-            tokens += item.seq.tokens(item.start, item.start + item.num_new)
+            ids = item.seq.tokens(item.start, item.start + item.num_new)
+            if len(ids) < item.num_new:
+                if previous is None or item.seq not in previous.rows:
+                    raise RuntimeError(f"request {item.seq.id}: a step feeds a token no step in flight samples")
+                ids.append(-1 - previous.rows[item.seq])
+            tokens += ids
         tokens += [0] * (rows - len(plan))  # padding rows feed token 0
         meta = make_attn_meta([item.seq.pages for item in plan], [item.start for item in plan],
                               [item.num_new for item in plan], page_size=self.page_size, device="cpu",
@@ -232,20 +269,22 @@ class ModelRunner:
         return max(2, 1 << max(0, need - 1).bit_length())  # >= 2: a width of 1 would get its own specialised graph
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def plan_step(self, plan: Sequence[ScheduledSeq], sampling: list[int]) -> StepInputs:
+    def plan_step(self, plan: Sequence[ScheduledSeq], sampling: list[int], previous: Launched | None = None
+                  ) -> StepInputs:  # fmt: skip
         """The host inputs of one forward: which path runs it, tokens, metadata and the rows to sample."""
         decode = all(item.num_new == 1 for item in plan) and len(sampling) == len(plan)
         if decode:
             n, need = len(plan), max(len(item.seq.pages) for item in plan)
             if self.graphs is not None and self.graphs.fits(bucket(n, self.max_running), need):
-                tokens, meta = self._host_meta(plan, decode=True, rows=bucket(n, self.max_running), width=need)
+                tokens, meta = self._host_meta(plan, decode=True, rows=bucket(n, self.max_running), width=need,
+                                               previous=previous)  # fmt: skip
                 return StepInputs("graph", tokens, meta, n)
-            tokens, meta = self._host_meta(plan, decode=True, rows=n, width=self._width(plan))
+            tokens, meta = self._host_meta(plan, decode=True, rows=n, width=self._width(plan), previous=previous)
             return StepInputs("decode", tokens, meta, n)
         requests = len(plan)
         if self.compiled_prefill is not None:
             requests += prefill_padding(len(plan), sum(item.num_new for item in plan))
-        tokens, meta = self._host_meta(plan, decode=False, rows=requests, width=self._width(plan))
+        tokens, meta = self._host_meta(plan, decode=False, rows=requests, width=self._width(plan), previous=previous)
         rows = logits_rows(meta)[torch.tensor(sampling, dtype=torch.long)]  # each sampled sequence's last token
         if self.compiled_prefill is not None and len(sampling) < PREFILL_MIN_ROWS:
             rows = torch.cat([rows, rows.new_zeros(PREFILL_MIN_ROWS - len(sampling))])  # dropped after the forward
@@ -255,12 +294,13 @@ class ModelRunner:
         """Run the forward of `step` (every tensor-parallel rank runs this with the same inputs); float32 logits."""
         if step.kind == "graph":
             return self.graphs.run(step.tokens, step.meta)[: step.rows]
-        tokens, meta = step.tokens.to(self.device), tree_map(lambda t: t.to(self.device), step.meta)
+        tokens = to_device_async(step.tokens, self.device)
+        meta = tree_map(lambda t: to_device_async(t, self.device), step.meta)
         if step.kind == "decode":
             if self.compiled_decode is not None:
                 _mark_dynamic(tokens, meta)
             return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
-        rows = step.rows.to(self.device)
+        rows = to_device_async(step.rows, self.device)
         if self.compiled_prefill is not None:
             _mark_dynamic(tokens, meta)
             torch._dynamo.maybe_mark_dynamic(rows, 0)
@@ -272,11 +312,49 @@ class ModelRunner:
         """Run the step; returns the token drawn for each plan index that samples."""
         if not plan:
             return {}
+        return self.collect(self.launch(plan, vocab_size=vocab_size))
+
+    @torch.inference_mode()
+    def launch(self, plan: Sequence[ScheduledSeq], *, vocab_size: int, previous: Launched | None = None) -> Launched:
+        """Queue the step's forward and sampling on the device without waiting for them (on CUDA; the CPU runs
+        them here). `previous`: the step still in flight whose sampled tokens this one feeds, if any."""
         sampling = [i for i, item in enumerate(plan) if item.sample]
-        logits = self.run(self.plan_step(plan, sampling))[: len(sampling)]  # drops a compiled prefill's padding
+        step = self.plan_step(plan, sampling, previous)
+        if previous is not None and previous.tokens is not None and int(step.tokens.min()) < 0:  # a host tensor
+            step = step._replace(tokens=resolve_placeholders(to_device_async(step.tokens, self.device),
+                                                             previous.tokens))  # fmt: skip
+        logits = self.run(step)[: len(sampling)]  # drops a compiled prefill's padding
         if not sampling:
+            return Launched(sampling, {}, None, None, None)
+        seqs = [plan[i].seq for i in sampling]
+        out = self._launch_sample(logits, seqs, vocab_size)
+        host, ready = out, None
+        if self.cuda:  # start the copies back now; `collect` waits for them only
+            host = tree_map(lambda t: t.to("cpu", non_blocking=True), out)
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(sampling, {seq: j for j, seq in enumerate(seqs)}, out.tokens, host, ready)
+
+    def collect(self, launched: Launched) -> dict[int, SampledToken]:
+        """Wait for a launched step's sampled tokens (only for that step: a later one may still run) and return
+        the token drawn for each plan index that samples."""
+        if launched.host is None:
             return {}
-        return self._sample(logits, [plan[i].seq for i in sampling], sampling, vocab_size)
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        out, seqs = launched.host, list(launched.rows)
+        tokens = out.tokens.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(seqs)
+        tops = None
+        if out.top_ids is not None:
+            tops = [list(zip(i, lp, strict=True)) for i, lp in zip(out.top_ids.tolist(), out.top_logprobs.tolist(),
+                                                                   strict=True)]  # fmt: skip
+        result = {}
+        for j, (i, seq) in enumerate(zip(launched.sampling, seqs, strict=True)):
+            logprob = lps[j] if (seq.params.logprobs or seq.params.top_logprobs) else None
+            alternatives = tops[j][: seq.params.top_logprobs] if (tops and seq.params.top_logprobs) else None
+            result[i] = SampledToken(tokens[j], logprob, alternatives)
+        return result
 
     def _grammar_bitmask(self, seqs: list[Seq], vocab_size: int) -> Tensor | None:
         """The sampled rows' grammar bitmask on the device (all ones on unconstrained rows); None if none is."""
@@ -295,26 +373,19 @@ class ModelRunner:
                 mask[j, token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # bit 31 is the int32 sign bit
         return mask.to(self.device, non_blocking=True)
 
-    def _sample(self, logits: Tensor, seqs: list[Seq], index: list[int], vocab_size: int) -> dict[int, SampledToken]:
+    def _launch_sample(self, logits: Tensor, seqs: list[Seq], vocab_size: int) -> SampleOutput:
+        """Queue the sampler on the step's sampled rows; the tokens stay on the device."""
+        if any(s.in_flight > 1 and needs_outputs(s) for s in seqs):
+            raise RuntimeError("a sequence with penalties or a grammar was planned before its last token came back")
         top = max(s.params.top_logprobs for s in seqs)
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
         bitmask = self._grammar_bitmask(seqs, vocab_size)  # the forward is already launched: overlaps on CUDA
+        # built on the host, copied without a sync; `steps` counts the tokens drawn before this one
         batch = make_sampling_batch(
-            [s.params for s in seqs], seeds=[s.seed for s in seqs], steps=[len(s.outputs) for s in seqs],
-            vocab_size=vocab_size, device=self.device, prompts=[s.prompt_array() for s in seqs],
-            outputs=[s.output_array() for s in seqs], stop_ids=[sorted(s.stop_ids) for s in seqs],
-            grammar_bitmask=bitmask,
+            [s.params for s in seqs], seeds=[s.seed for s in seqs],
+            steps=[len(s.outputs) + s.in_flight - 1 for s in seqs], vocab_size=vocab_size, device="cpu",
+            prompts=[s.prompt_array() for s in seqs], outputs=[s.output_array() for s in seqs],
+            stop_ids=[sorted(s.stop_ids) for s in seqs], grammar_bitmask=bitmask,
         )  # fmt: skip
-        out: SampleOutput = self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)
-        tokens = out.tokens.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(seqs)
-        tops = None
-        if out.top_ids is not None:
-            tops = [list(zip(i, lp, strict=True)) for i, lp in zip(out.top_ids.tolist(), out.top_logprobs.tolist(),
-                                                                   strict=True)]  # fmt: skip
-        result = {}
-        for j, (i, seq) in enumerate(zip(index, seqs, strict=True)):
-            logprob = lps[j] if (seq.params.logprobs or seq.params.top_logprobs) else None
-            alternatives = tops[j][: seq.params.top_logprobs] if (tops and seq.params.top_logprobs) else None
-            result[i] = SampledToken(tokens[j], logprob, alternatives)
-        return result
+        batch = tree_map(lambda t: to_device_async(t, self.device), batch)
+        return self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)

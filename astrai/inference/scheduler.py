@@ -100,9 +100,12 @@ class Scheduler:
         `cache_unfinished_req`): otherwise the duplicates and the pinned cached pages would both stay
         allocated, and a request that fits the pool alone could find it short.
         """
-        if self.radix is None or seq.num_computed < self.page_size:
+        # tokens planned in a step still running count (a later step that reads the pages runs after it), but not
+        # an in-flight token whose value the host does not know yet
+        done = min(seq.num_computed, seq.num_tokens)
+        if self.radix is None or done < self.page_size:
             return
-        tokens = seq.all_tokens[: seq.num_computed]
+        tokens = seq.all_tokens[:done]
         self.radix.insert(tokens, seq.pages)
         cached = self.radix.cached_pages(tokens)
         duplicates = [i for i, page in enumerate(cached) if seq.pages[i] != page]
@@ -135,24 +138,42 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
-        """Plan the next step (may preempt); an empty list when nothing can run."""
+        """Plan the next step (may preempt); an empty list when nothing can run.
+
+        Planning commits the step: each planned sequence's `num_computed` moves past its new tokens and, if it
+        samples, `in_flight` counts the token to come (`update` appends it). A sequence whose in-flight token is
+        its last (`max_tokens`) is not planned: `update` will end it with "length".
+        """
         budget, plan = self.max_step_tokens, []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.in_flight and len(seq.outputs) + seq.in_flight >= seq.params.max_tokens:
+                continue
+            n = min(seq.num_tokens + seq.in_flight - seq.num_computed, budget)
             while not self._grow(seq, seq.num_computed + n):
                 victim = max((s for s in self.running if s is not seq), key=lambda s: s.arrival, default=None)
                 if victim is None:  # alone and still short: impossible after admission checks, but never hang
                     raise RuntimeError(f"request {seq.id} needs more KV pages than the pool holds")
+                for p in plan:
+                    if p.seq is victim:  # planned earlier in this step: give its budget back, uncount its token
+                        budget += p.num_new
+                        victim.in_flight -= p.sample
                 plan = [p for p in plan if p.seq is not victim]
-                budget += sum(p.num_new for p in plan if p.seq is victim)
                 self._preempt(victim)
-            plan.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            plan.append(self._commit(seq, n))
             budget -= n
         plan += self._admit(budget)
         self.stats.steps += bool(plan)
         return plan
+
+    @staticmethod
+    def _commit(seq: Seq, n: int) -> ScheduledSeq:
+        """Plan `n` new tokens of `seq` (the step samples when they reach its end) and advance it past them."""
+        item = ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens + seq.in_flight)
+        seq.num_computed += n
+        seq.in_flight += item.sample
+        return item
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         plan = []
@@ -161,7 +182,7 @@ class Scheduler:
             if seq.leader is not None and not self._leader_ready(seq.leader):
                 break  # strict FIFO: its prompt KV will be shareable once the leader's prefill is done
             hit_pages = self._match(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens + seq.in_flight - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self.pool.decref(seq.pages)
                 seq.pages, seq.num_computed = [], 0
@@ -171,13 +192,14 @@ class Scheduler:
             if seq.num_cached < 0:
                 seq.num_cached = hit_pages * self.page_size
             self.running.append(seq)
-            plan.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            plan.append(self._commit(seq, n))
             budget -= n
         return plan
 
     @staticmethod
     def _leader_ready(leader: Seq) -> bool:
-        return leader.finished or leader.num_computed >= len(leader.prompt)
+        # the leader's prompt K/V is cached (not merely scheduled) and not dropped by a preemption since
+        return leader.finished or (leader.prompt_cached and leader.num_computed >= len(leader.prompt))
 
     def _match(self, seq: Seq) -> int:
         """Take the cached prefix pages of `seq` (at least one token is always left to compute, for its logits)."""
@@ -189,29 +211,35 @@ class Scheduler:
         return len(pages)
 
     def update(self, plan: list[ScheduledSeq], sampled: dict[int, SampledToken]) -> list[Seq]:
-        """Advance the step's sequences; `sampled[i]` is the token drawn for plan entry i (entries that sample).
+        """Record a step that ran; `sampled[i]` is the token drawn for plan entry i (entries that sample).
+
+        A sequence preempted after this step was planned (the overlap schedule plans the next step first) still
+        takes its token: it was drawn from the right context, and recompute keeps generated tokens. One that
+        ended meanwhile (abort, a stop string, a stop token of the step before) drops it.
 
         Returns the sequences that finished in this step (their pages are released and cached).
         """
         finished = []
         for i, item in enumerate(plan):
             seq = item.seq
-            if seq.status is not Status.RUNNING:
+            if seq.finished:
                 continue
-            before = seq.num_computed
-            seq.num_computed += item.num_new
-            if before < len(seq.prompt) <= seq.num_computed:
+            end = item.start + item.num_new
+            self.stats.prefill_tokens += max(0, min(end, len(seq.prompt)) - item.start)
+            if item.sample:
+                seq.in_flight -= 1
+                token, logprob, top = sampled[i]  # a SampledToken (unpacked: the per-row hot path)
+                self.stats.decode_tokens += 1
+                seq.outputs.append(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                if top is not None:
+                    seq.top_logprobs.append(top)
+            if item.start < len(seq.prompt) <= end and seq.status is Status.RUNNING:
                 self._cache(seq)  # prompt fully computed: shareable now (n > 1 siblings, shared system prompts)
-            self.stats.prefill_tokens += max(0, min(seq.num_computed, len(seq.prompt)) - max(before, 0))
+                seq.prompt_cached = True
             if not item.sample:
                 continue
-            token, logprob, top = sampled[i]  # a SampledToken (unpacked: the per-row hot path)
-            self.stats.decode_tokens += 1
-            seq.outputs.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            if top is not None:
-                seq.top_logprobs.append(top)
             reason = seq.check_stop() if seq.matcher is None else self._grammar_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason)

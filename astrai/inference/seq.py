@@ -1,10 +1,15 @@
 """`Seq`: the engine's host state of one generated sequence (a request with n > 1 is n of them).
 
-A sequence's progress is one number, `num_computed`: how many of its tokens (prompt, then generated) already
-have K/V in the pool (vLLM V1's model). Each step feeds `all_tokens[num_computed : num_computed + n]`; when that
-reaches the end, the step's logits sample the next token. Chunked prefill, prefix-cache hits (num_computed
-starts at the hit length) and recompute after preemption (num_computed back to 0 with the generated tokens
-kept) are all the same rule.
+A sequence's progress is one number, `num_computed`: how many of its tokens (prompt, then generated) have K/V in
+the pool or in a step already scheduled (vLLM V1's model: the scheduler advances it when it plans the step). Each
+step feeds `all_tokens[num_computed : num_computed + n]`; when that reaches the end, the step's logits sample the
+next token. Chunked prefill, prefix-cache hits (num_computed starts at the hit length) and recompute after
+preemption (num_computed back to 0 with the generated tokens kept) are all the same rule.
+
+`in_flight` counts tokens scheduled to be sampled but not yet appended to `outputs`. Without the overlap
+schedule it is 1 between `schedule` and `update`, else 0; with it (`astrai.inference.overlap`) the next step is
+planned while one is still running, so a decoding sequence's last token may be one the device has not handed back
+yet: the step feeds it from the device (a placeholder the runner resolves there).
 
 A constrained sequence (`params.grammar`) holds its own grammar `matcher` (astrai.inference.grammar), advanced by
 `Scheduler.update` with every accepted token. It only ever moves forward with `outputs`, so recompute after
@@ -53,6 +58,8 @@ class Seq:
         pages: KV pool pages in logical order.
         num_computed: tokens whose K/V are in the pool.
         num_cached: prompt tokens served by the prefix cache at the first admission.
+        in_flight: tokens scheduled to be sampled whose value has not reached `outputs` yet (see the module).
+        prompt_cached: the prompt's K/V was computed and offered to the prefix cache (n > 1 followers wait for it).
         status: waiting / running / finished (written by the scheduler only).
         finish_reason: "stop", "length" or "abort" once finished (written by the scheduler only).
         leader: for n > 1, the sequence whose prefill the others wait for (so they hit its cached prompt).
@@ -72,6 +79,8 @@ class Seq:
     pages: list[int] = attrs.Factory(list)
     num_computed: int = 0
     num_cached: int = -1
+    in_flight: int = 0
+    prompt_cached: bool = False
     status: Status = Status.WAITING
     finish_reason: str | None = None
     leader: Seq | None = None
@@ -152,3 +161,11 @@ def split_n(prompt: Sequence[int], params: SamplingParams, request_id: str, seed
     for follower in seqs[1:]:
         follower.leader = seqs[0]
     return seqs
+
+
+def needs_outputs(seq: Seq) -> bool:
+    """Whether drawing the sequence's next token reads its generated tokens on the host: penalties (their counts)
+    and grammars (the matcher, advanced by each accepted token). The overlap schedule collects the step before
+    planning the next one for these."""
+    p = seq.params
+    return seq.matcher is not None or p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0

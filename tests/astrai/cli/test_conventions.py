@@ -74,6 +74,8 @@ def test_aliases_and_model_flag_parse_like_the_primary_spelling(monkeypatch):
     assert (engine.max_running, engine.max_step_tokens, engine.prefix_cache) == (3, 256, False)
     assert (engine.seed, engine.max_model_len, engine.gpu_memory_utilization) == (7, 64, 0.5)
     assert engine_config(parse(ServeConfig, ["m"])).prefix_cache is True
+    assert engine.overlap_schedule is False  # vLLM's --async-scheduling turns on the overlap schedule
+    assert engine_config(parse(ServeConfig, ["m", "--async-scheduling"])).overlap_schedule is True
     for cls, extra in ((GenerateConfig, ["--prompt", "x"]), (ChatConfig, [])):
         positional = parse(cls, ["m", "--dtype", "half", "--revision", "v1", *extra])
         assert positional == parse(cls, ["--dtype", "half", "--model", "m", "--revision", "v1", *extra])

@@ -1,5 +1,6 @@
 """`torch.compile(fullgraph=True)` of the decode and prefill steps runs on CPU and matches eager."""
 
+import pytest
 import torch
 
 from astrai.inference.cache import init_kv_cache, make_attn_meta
@@ -8,6 +9,7 @@ from astrai.io.model import load
 from helpers import assert_close, save_hf, tiny_hf_model
 
 
+@pytest.mark.slow  # 26 s on 2 cores; in CI, test_compiled_prefill and test_engine's compiled decode cover both steps
 def test_compiled_steps_match_eager(tmp_path):
     model = load(save_hf(tiny_hf_model("qwen3", head_dim=16), tmp_path))
     cfg, params = model.config, model.params

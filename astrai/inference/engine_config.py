@@ -1,0 +1,92 @@
+"""`EngineConfig`, the engine's settings, and `EngineStats`, a snapshot of its counters (`astrai.inference.engine`)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Engine settings."""
+
+    page_size: int = 16
+    """Tokens per KV page (1 is supported)."""
+    kv_budget_tokens: int | None = None
+    """KV pool size in tokens; None sizes it from kv_memory_fraction (CUDA) or kv_budget_bytes (CPU)."""
+    kv_memory_fraction: float = 0.85
+    """CUDA: share of the free device memory (after loading the weights) given to the KV pool; unused when
+    gpu_memory_utilization is set."""
+    gpu_memory_utilization: float | None = None
+    """CUDA, vLLM's meaning: the fraction (0, 1] of the device's *total* memory this process may use for weights,
+    KV pool and activations together. The KV pool gets `utilization * total - torch's reserved memory (the
+    weights) - activation_headroom`, never more than the free memory less that headroom
+    (`kv_budget_for_utilization`). None: size the pool with kv_memory_fraction. Ignored on CPU."""
+    kv_budget_bytes: int = 1 << 30
+    """CPU: bytes of KV pool when kv_budget_tokens is None."""
+    max_running: int = 64
+    """Most sequences decoding at once."""
+    max_step_tokens: int = 2048
+    """Token budget of one step (decodes + prefill chunks); smaller means finer chunked prefill."""
+    max_waiting: int = 1024
+    """Most queued sequences (a request with n > 1 counts n); more raise EngineBusyError, and a request with
+    n > max_waiting is refused (EngineInputError naming n)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; default the model's max_position_embeddings."""
+    prefix_cache: bool = True
+    """Share K/V of common prefixes through the radix cache."""
+    compile: bool = True
+    """torch.compile the decode step and the sampler, and the prefill step per `compile_prefill`."""
+    compile_prefill: bool | None = None
+    """With `compile`, compile the prefill step too; None: on CUDA only. On CPU it measured no faster than eager
+    (docs/inference.md) and its first compile takes ~40 s for a 135M model."""
+    cuda_graphs: bool = True
+    """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured on first use (dense GQA models;
+    MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
+    pack_weights: bool = True
+    """CPU: keep a oneDNN-packed copy of each projection weight for many-row products (batched decode, prefill;
+    `astrai.ops.packed_linear`): faster, at the cost of the weights' memory once more (skipped when free memory
+    is short). Ignored on CUDA."""
+    seed: int | None = None
+    """Seed for the seeds of requests that give none (None: random)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (`astrai.inference.tp`): heads, MLP columns, experts and vocab; rank r runs
+    on cuda:r when the machine has that many GPUs, else every rank on the CPU (gloo)."""
+    overlap_schedule: bool = False
+    """Plan step N+1 (scheduling, metadata, sampling batch, their copies to the device) while the device runs step
+    N, and read N's tokens (scheduler update, detokenization, delivery) only after N+1 is queued: SGLang's
+    overlap scheduler (vLLM's `--async-scheduling`). A decoding sequence feeds its in-flight token from the
+    device; one that ends on a stop token costs one wasted row in the next step. Sequences with penalties or a
+    grammar read their tokens on the host, so a step holding one is collected before the next is planned. On CPU
+    the forward runs synchronously and nothing overlaps (same tokens, same speed); off by default until it is
+    measured on a GPU (`benchmarks/bench_engine.py --overlap`). Single-rank engines only."""
+    background: bool = True
+    """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
+    the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
+    `LLM`; on CPU that is faster, because OpenMP spins less in a second thread's worker pool."""
+
+    def __attrs_post_init__(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.overlap_schedule and self.tensor_parallel_size > 1:
+            raise ValueError("overlap_schedule needs tensor_parallel_size=1 (the ranks run each step in lockstep)")
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """A snapshot of the engine."""
+
+    running: int
+    waiting: int  # sequences (a request with n > 1 counts n), inbox included
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_cached: int
+    kv_pages_free: int
+    prefix_hit_rate: float
+    prompt_tokens: int
+    generated_tokens: int
+    generation_tokens_per_s: float
+    preemptions: int
+    steps: int
