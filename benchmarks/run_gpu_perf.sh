@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One prepared GPU check of issue 16 (performance), run on a CUDA machine from the repo root in <= 8 minutes:
 # the long-context compiled decode-attention test (autotuning on, which run_gpu.sh's `-k "not compile"` skips),
-# the compiled-prefill tests on CUDA (compiled prefill is on by default there, measured only on CPU so far),
+# the compiled-prefill and overlap-schedule tests on CUDA (compiled prefill is on by default there, measured only
+# on CPU so far; the overlap test checks that launching a decode step never syncs the host), the fused MoE kernel
+# (sync-free experts: DeepSeek-shaped MLA + MoE engines now capture CUDA graphs),
 # the step profile (profile_step.py: a decode step and mixed steps through the compiled and the eager prefill
 # under torch.profiler, Chrome traces kept), the
-# engine benchmark in bf16 (CUDA graphs on and off) and nano-vllm's serving workload (bench_throughput --preset
+# engine benchmark in bf16 (CUDA graphs on and off, overlap schedule on and off) and nano-vllm's serving workload (bench_throughput --preset
 # gpu, one timed repeat). Logs, JSON and traces go to ${OUT:-benchmarks/results}. Stages are independent.
 set -u
 TAIL_LINES=30
@@ -15,10 +17,11 @@ stage decode_attention_autotuned "${ATTN_TIMEOUT:-60}" env ASTRAI_TRITON_AUTOTUN
   -W ignore::DeprecationWarning tests/triton_kernels/test_decode_attention.py -k "compiled_gpu"
 stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-80}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   tests/astrai/inference/test_compiled_prefill.py tests/astrai/inference/test_engine.py \
-  tests/astrai/models/test_deepseek_parity.py -k "compiled or prefill or cuda"
-stage profile_step "${PROFILE_TIMEOUT:-80}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
+  tests/astrai/inference/test_overlap.py tests/astrai/models/test_deepseek_parity.py tests/triton_kernels/test_fused_moe.py \
+  -k "compiled or prefill or cuda or overlap"
+stage profile_step "${PROFILE_TIMEOUT:-70}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
   --out "$out/h200_profile_step.json"
-stage bench_engine_gpu "${ENGINE_TIMEOUT:-140}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 \
+stage bench_engine_gpu "${ENGINE_TIMEOUT:-160}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 --overlap \
   --out "$out/h200_bench_engine.json"
 stage bench_throughput_gpu "${THROUGHPUT_TIMEOUT:-120}" $py benchmarks/bench_throughput.py --preset gpu --repeats 1 \
   --out "$out/h200_bench_throughput.json"

@@ -40,8 +40,8 @@ class EngineConfig:
     """With `compile`, compile the prefill step too; None: on CUDA only. On CPU it measured no faster than eager
     (docs/inference.md) and its first compile takes ~40 s for a 135M model."""
     cuda_graphs: bool = True
-    """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured on first use (dense GQA models;
-    MoE dispatch syncs the host, so MoE and MLA models launch the step directly)."""
+    """CUDA: replay decode steps from CUDA graphs, one per batch bucket, captured at start (every model type: MoE
+    layers run the sync-free fused experts there, `astrai.ops.moe`)."""
     pack_weights: bool = True
     """CPU: keep a oneDNN-packed copy of each projection weight for many-row products (batched decode, prefill;
     `astrai.ops.packed_linear`): faster, at the cost of the weights' memory once more (skipped when free memory

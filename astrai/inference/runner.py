@@ -43,6 +43,7 @@ from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
 from astrai.ops.linear import MAX_REDUCE_ROWS
+from astrai.ops.moe import fused_experts_enabled
 from astrai.ops.packed_linear import is_group_packed, pack_group, packable, repack
 from astrai.tree import tree_map
 
@@ -114,8 +115,10 @@ def resolve_placeholders(tokens: Tensor, previous: Tensor) -> Tensor:
 
 
 def graphs_supported(model: Model) -> bool:
-    """CUDA graphs need a step with no host sync: dense GQA models (MoE dispatch reads expert counts)."""
-    return model.config.ffn_type == "mlp" and model.config.attn_type == "gqa"
+    """CUDA graphs need a decode step with no host sync. GQA and MLA decode kernels have none; MoE layers have
+    none through the fused Triton experts (`astrai.ops.moe`), but the grouped loop that `ASTRAI_ATTN_BACKEND=torch`
+    selects reads the expert counts on the host."""
+    return model.config.ffn_type == "mlp" or fused_experts_enabled()
 
 
 def _available_memory() -> int | None:

@@ -12,7 +12,8 @@ Dispatch is grouped: the N*k (token, slot) pairs are sorted by expert, each expe
 segment (a loop over experts, never over tokens) and results are combined with `index_add`. Segment sizes are
 data-dependent, so under `torch.compile` the expert part is the custom op `astrai::moe_experts` (static output
 shape; its backward op `grouped_experts_backward` recomputes each expert's activations, as activation
-checkpointing does, and applies the SwiGLU chain rule by hand).
+checkpointing does, and applies the SwiGLU chain rule by hand). Inference on the Triton backend (CUDA) skips all
+that: `astrai.ops.moe.fused_experts` keeps the bookkeeping on the device, so MoE decode steps can be graphed.
 
 Load-balancing loss (switch-transformer, exactly transformers' `load_balancing_loss_func` over all MoE layers):
 f_i = (top-k slots given to expert i, summed over layers) / (tokens summed over layers), P_i = (p_i summed over
@@ -33,6 +34,7 @@ from astrai.nn.linear import LinearParams, init_linear, linear
 from astrai.nn.mlp import MLPParams, init_mlp, mlp
 from astrai.ops.collectives import TensorParallel
 from astrai.ops.linear import linear as linear_op
+from astrai.ops.moe import fused_experts, use_fused_experts
 from astrai.tree import pytree, tree_map
 
 
@@ -371,8 +373,13 @@ def _(x: Tensor, idx: Tensor, weights: Tensor, *rest: Tensor) -> Tensor:
 
 
 def experts(p: ExpertsParams, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
-    """Routed expert output [N, D]: plain autograd eagerly, the `astrai::moe_experts` op under torch.compile."""
+    """Routed expert output [N, D]. Without gradients on the Triton backend (inference on CUDA): the sync-free
+    fused kernel (`astrai.ops.moe`; graphable). Otherwise the grouped loop: plain autograd eagerly, the
+    `astrai::moe_experts` op under torch.compile."""
     weights = weights.to(x.dtype)
+    if not torch.is_grad_enabled() and use_fused_experts(x):
+        scales = None if p.gate_scale is None else (p.gate_scale, p.up_scale, p.down_scale)
+        return fused_experts(x, idx, weights, p.gate_proj, p.up_proj, p.down_proj, scales)
     if p.gate_scale is not None:
         stacks = (p.gate_proj, p.up_proj, p.down_proj, p.gate_scale, p.up_scale, p.down_scale)
         if torch.compiler.is_compiling():

@@ -33,3 +33,21 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "fast")
     with pytest.raises(ValueError, match="must be one of"):
         attn_backend(x)
+
+
+def test_moe_generation_through_the_fused_experts_equals_torch(tmp_path, monkeypatch):
+    # on the triton backend MoE layers run the sync-free fused experts (what lets a CUDA graph capture them)
+    from astrai.nn import moe
+
+    hf = tiny_hf_model("qwen3_moe", head_dim=16, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16)  # fmt: skip
+    model = astrai.load(save_hf(hf, tmp_path), device=DEVICE)
+    prompts = [[3, 4, 5, 6, 7], [9] * 11]
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "torch")
+    reference = generate_ids(model, prompts, max_tokens=5, stop_token_ids=[])
+    calls = []
+    fused = moe.fused_experts
+    monkeypatch.setattr(moe, "fused_experts", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "triton")
+    assert generate_ids(model, prompts, max_tokens=5, stop_token_ids=[]) == reference
+    assert len(calls) >= 2 * 5 and 2 in calls  # both layers, prefill and decode steps (2 rows)
