@@ -309,11 +309,22 @@ class Engine:
 
     def invalidate_prefix_cache(self) -> None:
         """Forget every cached prefix (its K/V was computed with the old weights); the next prompt recomputes."""
+        self._settle()
         with self._cv:
             if self._inbox or self.scheduler.has_work():
                 raise RuntimeError("the weights changed while requests are in flight: wait for them first")
             if self.radix is not None:
                 self.radix.reset()
+
+    def _settle(self) -> None:
+        """Let a step the overlap schedule queued ahead finish (once requests are done it holds only finished
+        sequences), so that weights, graphs and cache change only while the device is idle."""
+        if self.config.background:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is None or self._error is not None, timeout=60)
+        elif self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._collect(*pending)
 
     def stats(self) -> EngineStats:
         """Counters and KV usage (read without stopping the engine; may be one step stale)."""
@@ -352,6 +363,9 @@ class Engine:
         try:
             while self._wait_for_work():
                 self._run_step()
+                if self._pending is None and self.config.overlap_schedule:
+                    with self._cv:
+                        self._cv.notify_all()  # _settle may be waiting for the device to go idle
         except RankFailedError:  # reported through _rank_failed (requests failed, `fatal` set): not a bug
             return
         except Exception as err:  # a bug or a device error: fail every request loudly instead of hanging them

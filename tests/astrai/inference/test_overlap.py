@@ -159,3 +159,18 @@ def test_overlap_decode_launch_does_not_sync_the_host(model, prompts):
         runner.launch = no_sync_launch
         completions = engine.generate(prompts[:4], params)
     assert len(checked) >= 10 and all(len(c.outputs[0].token_ids) == 24 for c in completions)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "thread"])
+def test_update_params_settles_the_step_queued_ahead(model, prompts, background):
+    # sequences that end on a stop token leave a step queued past their end; new weights (RL) must wait for it
+    cfg = EngineConfig(compile=False, overlap_schedule=True, page_size=4, kv_budget_tokens=1024, background=background)
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=list(range(3, 300, 3)))
+    with Engine(model, cfg) as engine:
+        first = engine.generate(prompts[:3], params)
+        assert {c.outputs[0].finish_reason for c in first} == {"stop"}
+        if not background:
+            assert engine._pending is not None  # planned and launched before the stop tokens were read
+        engine.update_params()
+        assert engine._pending is None
+        assert _summary(engine.generate(prompts[:3], params)) == _summary(first)
