@@ -16,7 +16,8 @@ Sections (one run, side by side):
   (f) `--overlap`: the engine with the overlap schedule on vs off, batch 1 and each N of (b), alternating.
 The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
 docs/inference.md for why a background engine thread is slower on a 2-core CPU.
-Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds.
+Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds;
+`--skip a b c` leaves sections out (`--overlap --skip a b c` runs (f) alone).
 """
 
 from __future__ import annotations
@@ -250,21 +251,25 @@ def run(args) -> dict:
                   threads=torch.get_num_threads(), machine=machine, torch=torch.__version__,
                   memory_read_gbs=args.bandwidth, prompt_len=args.prompt_len, new_tokens=args.new)  # fmt: skip
     start = time.perf_counter()
-    with make_engine() as engine:
-        # on CUDA the start compiles the decode step and captures every bucket's graph; elsewhere it is the pool
-        report["engine_start_s"] = time.perf_counter() - start
-        console.print(f"[dim]engine started in {report['engine_start_s']:.1f} s; warming up...[/]")
-        warm_up(engine, model, args)
-        console.print("[dim](a) single stream...[/]")
-        report["single"] = section_single(hf, engine, model, args)
-        report["batch"] = []
-        for n in args.requests:
-            console.print(f"[dim](b) {n} requests...[/]")
-            report["batch"].append(section_batch(hf, engine, model, n, args))
-    console.print("[dim](c) shared system prompt, radix on/off...[/]")
-    # --smoke: eager engines, which count the same prefill tokens without two more compiles
-    report["prefix"] = section_prefix(model, args, functools.partial(make_engine, compile=not args.smoke))
-    if cuda:
+    if {"a", "b"} - set(args.skip):
+        with make_engine() as engine:
+            # on CUDA the start compiles the decode step and captures every bucket's graph; elsewhere the pool
+            report["engine_start_s"] = time.perf_counter() - start
+            console.print(f"[dim]engine started in {report['engine_start_s']:.1f} s; warming up...[/]")
+            warm_up(engine, model, args)
+            if "a" not in args.skip:
+                console.print("[dim](a) single stream...[/]")
+                report["single"] = section_single(hf, engine, model, args)
+            if "b" not in args.skip:
+                report["batch"] = []
+                for n in args.requests:
+                    console.print(f"[dim](b) {n} requests...[/]")
+                    report["batch"].append(section_batch(hf, engine, model, n, args))
+    if "c" not in args.skip:
+        console.print("[dim](c) shared system prompt, radix on/off...[/]")
+        # --smoke: eager engines, which count the same prefill tokens without two more compiles
+        report["prefix"] = section_prefix(model, args, functools.partial(make_engine, compile=not args.smoke))
+    if cuda and not {"a", "b"} & set(args.skip):
         console.print("[dim](e) CUDA graphs off...[/]")
         report["graphs"] = section_graphs(model, args, make_engine, report)
     if args.overlap:
@@ -276,18 +281,22 @@ def run(args) -> dict:
 def show(r: dict) -> None:
     cols = [("engine_tok_s", ".1f"), ("hf_tok_s", ".1f"), ("speedup", ".2f"), ("hf_static_compile_tok_s", ".1f"),
             ("speedup_vs_static_compile", ".2f"), ("roofline", ".0%")]  # fmt: skip
-    title = f"(a) single stream, {r['config']} {r['dtype']}, {r['threads']} threads, median of {r['single']['repeats']}"
-    console.print(table(title, [r["single"]], cols))
+    if "single" in r:
+        title = (
+            f"(a) single stream, {r['config']} {r['dtype']}, {r['threads']} threads, median of {r['single']['repeats']}"
+        )
+        console.print(table(title, [r["single"]], cols))
     cols = [("requests", ""), ("engine_tok_s", ".0f"), ("engine_tok_s_min", ".0f"), ("engine_tok_s_max", ".0f"),
             ("hf_one_by_one_tok_s", ".1f"), ("vs_one_by_one", ".1f"), ("hf_padded_tok_s", ".0f"),
             ("hf_padded_tok_s_min", ".0f"), ("hf_padded_tok_s_max", ".0f"), ("vs_padded", ".2f"),
             ("ttft_p50", ".2f"), ("ttft_p99", ".2f"), ("itl_p50", ".3f"), ("itl_p99", ".3f")]  # fmt: skip
-    console.print(table(f"(b, d) {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens (seconds)",
-                        r["batch"], cols))  # fmt: skip
+    if "batch" in r:
+        console.print(table(f"(b, d) {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens (seconds)",
+                            r["batch"], cols))  # fmt: skip
     rows = [dict(cache=phase, radix=k, **p[k], fewer_prefill_tokens=p["fewer_prefill_tokens"] if k == "on" else None,
                  speedup=p["speedup"] if k == "on" else None)
-            for phase, p in r["prefix"].items() for k in ("on", "off")]  # fmt: skip
-    console.print(table("(c) 16 requests sharing a system prompt, radix on vs off", rows,
+            for phase, p in r.get("prefix", {}).items() for k in ("on", "off")]  # fmt: skip
+    console.print(table("(c) 16 requests sharing a system prompt, radix on vs off", rows,  # empty when skipped
                         [("cache", ""), ("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f"),
                          ("fewer_prefill_tokens", ".1f"), ("speedup", ".2f")]))  # fmt: skip
     if "graphs" in r:
@@ -316,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--overlap", action="store_true", help="(f): the overlap schedule on vs off")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c"], help="sections not to run")
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

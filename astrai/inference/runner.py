@@ -263,7 +263,10 @@ class ModelRunner:
         meta = make_attn_meta([item.seq.pages for item in plan], [item.start for item in plan],
                               [item.num_new for item in plan], page_size=self.page_size, device="cpu",
                               decode=decode, rows=rows, width=width)  # fmt: skip
-        return torch.tensor(tokens, dtype=torch.int64), meta
+        tokens = torch.tensor(tokens, dtype=torch.int64)
+        if self.cuda:  # pinned, so the copies to the device (the graph buffers' included) never wait for the stream
+            return tokens.pin_memory(), tree_map(Tensor.pin_memory, meta)
+        return tokens, meta
 
     def _width(self, plan: Sequence[ScheduledSeq]) -> int:
         # the smallest power of two that fits (the CPU path gathers the whole width, so it should stay small;
