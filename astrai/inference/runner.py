@@ -35,7 +35,7 @@ from astrai.inference.grammar import allocate_bitmask, fill_bitmask_batch
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.sampler import SampleOutput, sample
-from astrai.inference.sampling_batch import make_sampling_batch
+from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
 from astrai.inference.step import compile_step, decode_step, prefill_step
 from astrai.io.model import Model
@@ -97,16 +97,6 @@ class Launched(NamedTuple):
     tokens: Tensor | None
     host: SampleOutput | None
     ready: torch.cuda.Event | None
-
-
-def to_device_async(t: Tensor, device: torch.device) -> Tensor:
-    """`t` on `device` without a host sync: a CPU tensor bound for CUDA goes through pinned memory,
-    non_blocking (a pageable copy would wait for every kernel already queued, i.e. the step in flight)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def resolve_placeholders(tokens: Tensor, previous: Tensor) -> Tensor:
@@ -300,13 +290,13 @@ class ModelRunner:
         """Run the forward of `step` (every tensor-parallel rank runs this with the same inputs); float32 logits."""
         if step.kind == "graph":
             return self.graphs.run(step.tokens, step.meta)[: step.rows]
-        tokens = to_device_async(step.tokens, self.device)
-        meta = tree_map(lambda t: to_device_async(t, self.device), step.meta)
+        tokens = upload(step.tokens, self.device)
+        meta = tree_map(lambda t: upload(t, self.device), step.meta)
         if step.kind == "decode":
             if self.compiled_decode is not None:
                 _mark_dynamic(tokens, meta)
             return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
-        rows = to_device_async(step.rows, self.device)
+        rows = upload(step.rows, self.device)
         if self.compiled_prefill is not None:
             _mark_dynamic(tokens, meta)
             torch._dynamo.maybe_mark_dynamic(rows, 0)
@@ -327,7 +317,7 @@ class ModelRunner:
         sampling = [i for i, item in enumerate(plan) if item.sample]
         step = self.plan_step(plan, sampling, previous)
         if previous is not None and previous.tokens is not None and int(step.tokens.min()) < 0:  # a host tensor
-            step = step._replace(tokens=resolve_placeholders(to_device_async(step.tokens, self.device),
+            step = step._replace(tokens=resolve_placeholders(upload(step.tokens, self.device),
                                                              previous.tokens))  # fmt: skip
         logits = self.run(step)[: len(sampling)]  # drops a compiled prefill's padding
         if not sampling:
@@ -386,12 +376,11 @@ class ModelRunner:
         top = max(s.params.top_logprobs for s in seqs)
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
         bitmask = self._grammar_bitmask(seqs, vocab_size)  # the forward is already launched: overlaps on CUDA
-        # built on the host, copied without a sync; `steps` counts the tokens drawn before this one
+        # copied without a host sync (`upload`); `steps` counts the tokens drawn before this one
         batch = make_sampling_batch(
             [s.params for s in seqs], seeds=[s.seed for s in seqs],
-            steps=[len(s.outputs) + s.in_flight - 1 for s in seqs], vocab_size=vocab_size, device="cpu",
+            steps=[len(s.outputs) + s.in_flight - 1 for s in seqs], vocab_size=vocab_size, device=self.device,
             prompts=[s.prompt_array() for s in seqs], outputs=[s.output_array() for s in seqs],
             stop_ids=[sorted(s.stop_ids) for s in seqs], grammar_bitmask=bitmask,
         )  # fmt: skip
-        batch = tree_map(lambda t: to_device_async(t, self.device), batch)
         return self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)

@@ -65,6 +65,17 @@ class SamplingBatch:
     all_greedy: bool = static(default=False)
 
 
+def upload(t: Tensor, device: torch.device | str) -> Tensor:
+    """`t` on `device` without a host sync: a CPU tensor bound for CUDA goes through pinned memory, non_blocking
+    (a pageable copy waits for every kernel already queued: with the overlap schedule, the step in flight)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _dense(rows: Sequence[Sequence[int] | np.ndarray], vocab_size: int, dtype: torch.dtype,
            device: torch.device | str, what: str, values: Sequence[float] | None = None) -> Tensor:  # fmt: skip
     """[B, V] tensor: counts of `rows`' ids (int), their presence (bool), or `values` at them (float).
@@ -80,9 +91,9 @@ def _dense(rows: Sequence[Sequence[int] | np.ndarray], vocab_size: int, dtype: t
     if c.min() < 0 or c.max() >= vocab_size:
         raise ValueError(f"{what} has token ids outside [0, {vocab_size}): min {c.min()}, max {c.max()}")
     r = np.repeat(np.arange(len(rows)), lengths)
-    index = (torch.from_numpy(r).to(device), torch.from_numpy(c).to(device))
+    index = (upload(torch.from_numpy(r), device), upload(torch.from_numpy(c), device))
     if values is not None:
-        return out.index_put_(index, torch.tensor(values, dtype=dtype, device=device))
+        return out.index_put_(index, upload(torch.tensor(values, dtype=dtype), device))
     return out.index_put_(index, torch.ones(len(c), dtype=dtype, device=device), accumulate=dtype != torch.bool)
 
 
@@ -130,10 +141,10 @@ def make_sampling_batch(
     prompts, outputs, stop_ids = prompts or empty, outputs or empty, stop_ids or empty
 
     def f32(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return upload(torch.tensor(values, dtype=torch.float32), device)
 
     def i64(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return upload(torch.tensor(values, dtype=torch.int64), device)
 
     greedy = [p.greedy for p in params]  # temperature below SAMPLING_EPS: sent as 0
     top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
