@@ -293,12 +293,13 @@ def show(r: dict) -> None:
     if "batch" in r:
         console.print(table(f"(b, d) {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens (seconds)",
                             r["batch"], cols))  # fmt: skip
-    rows = [dict(cache=phase, radix=k, **p[k], fewer_prefill_tokens=p["fewer_prefill_tokens"] if k == "on" else None,
-                 speedup=p["speedup"] if k == "on" else None)
-            for phase, p in r.get("prefix", {}).items() for k in ("on", "off")]  # fmt: skip
-    console.print(table("(c) 16 requests sharing a system prompt, radix on vs off", rows,  # empty when skipped
-                        [("cache", ""), ("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f"),
-                         ("fewer_prefill_tokens", ".1f"), ("speedup", ".2f")]))  # fmt: skip
+    if "prefix" in r:
+        rows = [dict(cache=phase, radix=k, **p[k], speedup=p["speedup"] if k == "on" else None,
+                     fewer_prefill_tokens=p["fewer_prefill_tokens"] if k == "on" else None)
+                for phase, p in r["prefix"].items() for k in ("on", "off")]  # fmt: skip
+        console.print(table("(c) 16 requests sharing a system prompt, radix on vs off", rows,
+                            [("cache", ""), ("radix", ""), ("prefill_tokens", ""), ("wall_s", ".2f"),
+                             ("fewer_prefill_tokens", ".1f"), ("speedup", ".2f")]))  # fmt: skip
     if "graphs" in r:
         console.print(table("(e) engine decode tok/s with and without CUDA graphs", r["graphs"]["rows"],
                             [("requests", ""), ("graphs_tok_s", ".0f"), ("no_graphs_tok_s", ".0f"),
