@@ -71,7 +71,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.overlap_schedule and self.tensor_parallel_size > 1:
-            raise ValueError("overlap_schedule needs tensor_parallel_size=1 (the ranks run each step in lockstep)")
+            raise ValueError(
+                "overlap_schedule (astrai serve --async-scheduling) needs tensor_parallel_size=1: the ranks "
+                "run each step in lockstep"
+            )
 
 
 @attrs.frozen(kw_only=True)

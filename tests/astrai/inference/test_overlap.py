@@ -132,7 +132,7 @@ def test_background_engine_with_overlap(model, prompts):
 
 
 def test_overlap_needs_a_single_rank():
-    with pytest.raises(ValueError, match="overlap_schedule needs tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match="needs tensor_parallel_size=1"):
         EngineConfig(overlap_schedule=True, tensor_parallel_size=2)
 
 
