@@ -125,6 +125,7 @@ def _block_m(pairs: int) -> int:
 
 
 def _gemm(x, w, scale, route, sorted_pairs, block_expert, *, num_pairs, top_k, rows_by_token, block_m) -> Tensor:
+    scale = scale.contiguous() if scale is not None else None  # read as [E, out] rows
     out = torch.zeros((num_pairs, w.shape[1]), device=x.device, dtype=x.dtype)  # foreign pairs stay zero
     if num_pairs == 0:
         return out
