@@ -268,3 +268,15 @@ def engine_with_added_tokens(corpus: list[str], added: list[str]):
     model = Model(config=cfg, params=init_params(cfg, seed=0), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
     with Engine(model, EngineConfig(max_running=8, compile=False, kv_budget_tokens=8192)) as engine:
         yield engine
+
+
+def assert_compiles_for_gpu(script: str) -> None:
+    """Run `script` (it builds Triton kernels for GPU targets with `triton.compile`) in a fresh interpreter without
+    TRITON_INTERPRET, so the real JIT functions are compiled, not interpreted; fail with its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
