@@ -3,8 +3,9 @@
 Models are pure functions over attrs parameter trees; see SPEC §1 for the public API.
 
 Besides the re-exports, one thing runs here: in a source checkout used without installing (`PYTHONPATH=.`, the
-GPU check scripts), the repo's top-level folders triton_kernels/, cuda_ref/, configs/ and quickstart/ become
-importable as `astrai.triton_kernels` and so on, the names pyproject's package-dir gives them in an install
+GPU check scripts), the repo's top-level folders triton_kernels/, cuda_ref/, cpu_kernels/, configs/ and
+quickstart/ become importable as `astrai.triton_kernels` and so on, the names pyproject's package-dir gives them
+in an install
 (docs/architecture.md). An installed astrai has no pyproject.toml beside it, so nothing changes there.
 """
 

@@ -12,6 +12,14 @@ a quarter of the fp32 bytes (measured 2.3-3.4x the fp32 loop on this box, docs/b
 many rows, GPU) the weight is widened to the input's dtype and multiplied as usual, the scale applied to the
 product's columns; under `torch.compile` on GPU inductor fuses the widening into the matmul.
 
+With 2-8 rows of bf16 or 2-4 of fp32 (batched decode, n > 1 sampling) on an AVX-512 CPU, the products instead
+call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
+inductor's loop re-reads it per row: a SmolLM2-135M decode step of 4 rows took 17-18 ms against 33-49 (bf16)
+and 28-33 against 39-43 (fp32). One call takes the weights that share an input (q/k/v, gate/up). One row keeps
+inductor's loop: the kernel streams a single row faster in isolation, but as an opaque op (~17 us a call, ~120
+calls a step) that splits inductor's fused kernels it measured no faster over the whole step (`MAX_KERNEL_ROWS`
+has the other bound). `ASTRAI_CPU_KERNELS=0` turns it off; without AVX-512 or a C compiler the loop runs.
+
 Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
 pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. Weights nobody packed take `F.linear`
 as before, and so does anything that needs a gradient or runs under autocast (the op has neither).
@@ -25,9 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.ops import packed_linear as packed
 
 MAX_REDUCE_ROWS = 8  # measured crossover on a 2-core EPYC: the reduce form wins at 1-8 rows, loses at 16
+# Rows the CPU matvec kernel takes, by dtype: measured over whole compiled decode steps (docs/benchmarks.md, "CPU
+# matvec kernel"). At one row inductor's loop, fused with its neighbours, was as fast or faster; fp32 at 8 rows
+# the kernel runs out of loads (each weight chunk meets 8 rows of x from L1) and tied.
+MIN_KERNEL_ROWS = 2
+MAX_KERNEL_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -36,6 +50,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
     With `scale` [out], `weight` is int8 and stands for weight * scale[:, None] (`astrai.ops.quant`).
     """
     if _row_reduce(x):
+        if scale is None and _matvec_kernel(x, (weight,)):
+            return _kernel_linears(x, (weight,), (bias,))[0]
         return _reduce_linear(x, weight, bias, scale)
     if scale is not None:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
@@ -51,7 +67,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
 
 def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
     """[linear(x, w, b) for each pair]: products of one input (q/k/v, gate/up). On CPU, weights packed together
-    (`packed_linear.pack_group`) run as one product and come back as views of its output."""
+    (`packed_linear.pack_group`) run as one product and come back as views of its output; so do few-row
+    products through the CPU matvec kernel (one call for the group)."""
+    if _row_reduce(x) and _matvec_kernel(x, weights):
+        return _kernel_linears(x, weights, biases)
     if not _row_reduce(x) and _packed_path(x, weights, biases):
         if torch.compiler.is_compiling():
             out = torch.ops.astrai.packed_linear_cat(x, list(weights), list(biases))
@@ -77,6 +96,27 @@ def _reduce_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _matvec_kernel(x: Tensor, weights: Sequence[Tensor]) -> bool:
+    """Whether a few-row product may call the hand-written CPU kernel: no gradient, one dtype it supports, and
+    row-major weights (a transposed view would be copied on every call; the loop reads any strides)."""
+    rows = x.numel() // x.shape[-1]
+    if not MIN_KERNEL_ROWS <= rows <= MAX_KERNEL_ROWS.get(x.dtype, 0):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+        return False
+    fits = all(w.dim() == 2 and w.dtype == x.dtype and w.is_contiguous() for w in weights)
+    return fits and cpu_matvec.supports(x.dtype)
+
+
+def _kernel_linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
+    # one opaque call for the group: [rows, sum out] in fp32, biases added in fp32 like the loop's
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.astrai.cpu_matvec(x.reshape(rows, x.shape[-1]), list(weights))
+    parts = out.split([w.shape[0] for w in weights], dim=-1)
+    parts = [p if b is None else p + b.float() for p, b in zip(parts, biases, strict=True)]
+    return [p.to(x.dtype).reshape(*x.shape[:-1], p.shape[-1]) for p in parts]
 
 
 def _packed_path(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:

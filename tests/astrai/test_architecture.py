@@ -1,8 +1,8 @@
 """The package's import graph: every import points down the layers, and no modules import each other in a cycle.
 
 Layers, top to bottom (docs/architecture.md): the `astrai` package facade, cli, configs / quickstart / api,
-serve, train, inference, data, io, models, nn, ops, the kernels (triton_kernels, cuda_ref), tree. A module may
-import modules of its own package and of lower layers only, and only ops may import the kernels. Every import
+serve, train, inference, data, io, models, nn, ops, the kernels (triton_kernels, cuda_ref, cpu_kernels), tree. A
+module may import modules of its own package and of lower layers only, and only ops may import the kernels. Every import
 statement counts: module-level, inside functions (lazy) and under `if TYPE_CHECKING:` (a lazy import is still a
 dependency).
 
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # import name -> source folder (pyproject's package-dir); everything else under astrai/ maps to itself
 FOLDERS = {"astrai": "astrai", "astrai.triton_kernels": "triton_kernels", "astrai.cuda_ref": "cuda_ref",
-           "astrai.configs": "configs", "astrai.quickstart": "quickstart"}  # fmt: skip
+           "astrai.cpu_kernels": "cpu_kernels", "astrai.configs": "configs",
+           "astrai.quickstart": "quickstart"}  # fmt: skip
 
 RANK = {
     "astrai": 11,  # the package facade (astrai/__init__.py re-exports)
@@ -44,6 +45,7 @@ RANK = {
     "ops": 1,
     "triton_kernels": 0,
     "cuda_ref": 0,
+    "cpu_kernels": 0,
     "tree": -1,
 }
 
@@ -69,7 +71,8 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-ALIASES = {"triton_kernels": "astrai.triton_kernels", "cuda_ref": "astrai.cuda_ref", "configs": "astrai.configs"}
+ALIASES = {"triton_kernels": "astrai.triton_kernels", "cuda_ref": "astrai.cuda_ref",
+           "cpu_kernels": "astrai.cpu_kernels", "configs": "astrai.configs"}  # fmt: skip
 
 
 def _known(name: str) -> str | None:
@@ -119,7 +122,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 # layers that only one layer above may call (DESIGN §3.4: `astrai/ops/` is the only caller of the kernels)
-ONLY_FROM = {"triton_kernels": {"ops"}, "cuda_ref": {"ops"}}
+ONLY_FROM = {"triton_kernels": {"ops"}, "cuda_ref": {"ops"}, "cpu_kernels": {"ops"}}
 
 
 def _upward(graph: dict[str, set[str]]) -> list[str]:
@@ -187,9 +190,9 @@ def test_the_checks_can_fail():
 def test_nothing_imports_the_folder_names():
     # from the repo root the folders are importable by their bare names too; a module imported under both names
     # would register its torch custom ops twice, and an installed astrai has only the astrai.* names
-    bare = {"triton_kernels", "cuda_ref", "configs", "quickstart"}
+    bare = {"triton_kernels", "cuda_ref", "cpu_kernels", "configs", "quickstart"}
     found = []
-    for folder in ("astrai", "triton_kernels", "cuda_ref", "configs", "quickstart", "tests", "benchmarks"):
+    for folder in (*bare, "astrai", "tests", "benchmarks"):
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else []

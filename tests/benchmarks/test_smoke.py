@@ -33,6 +33,7 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         "bench_host.py",
         "bench_tp.py",
         "bench_packed_linear.py",
+        "bench_matvec.py",
         pytest.param("bench_train.py", marks=pytest.mark.slow),
     ],  # ~30 s on 2 cores: compiles three train steps
 )
@@ -55,6 +56,9 @@ def test_smoke_mode_reports_json(script, tmp_path):
     elif report.get("benchmark") == "bench_packed_linear":  # every layout measured at every row count
         assert [r["rows"] for r in report["results"]] == [1, 16] and report["groups"] < report["weights"]
         assert all(r[f"{k}_ms"] > 0 for r in report["results"] for k in ("f_linear", "packed", "packed_groups"))
+    elif report.get("benchmark") == "bench_matvec":  # every provider measured (where this CPU has the kernel)
+        assert report["read_bandwidth_gbs"] > 0
+        assert all(r[f"{k}_gbs"] > 0 for r in report["results"] for k in ("f_linear", "inductor", "kernel_groups"))
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm

@@ -1,0 +1,115 @@
+/* Few-row products y = x @ w.T on AVX-512 CPUs: the matrix-vector work of batch-1..8 decode.
+ *
+ * Decode on CPU streams every weight once per step, so it runs at memory speed or not at all. Each output row
+ * n of y is one dot product of a weight row against each x row; a thread walks its weight rows in order, so it
+ * reads the weight as one contiguous stream (the hardware prefetcher's best case), and the few x rows stay in
+ * L1. On the 2-core AMD EPYC development box, 60 weights of 1536 x 576 (bf16), one x row: 30-38 GB/s; reading
+ * 4-8 weight rows at once, as GEMM micro-kernels do, ran at 15-22 GB/s (docs/benchmarks.md).
+ *
+ * bf16 multiplies pairs with AVX512-BF16's `vdpbf16ps` (products exact in fp32, fp32 accumulation; the
+ * instruction treats subnormal inputs as zero), fp32 with FMA. Threads: OpenMP, through the process's own
+ * libgomp (torch's, already loaded), with the count the caller passes (torch.get_num_threads()).
+ *
+ * Interface (ctypes, astrai.cpu_kernels.matvec): `count` weights w[g] of shape [ns[g], K], all multiplying
+ * the same x [M, K] (q/k/v, gate/up in one call); y [M, sum ns] fp32, weight g's columns after weight g-1's.
+ * Rows of x, w and y are contiguous.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+/* x rows per pass over one weight row (each weight chunk loaded once for them). 2 measured best: at 4 rows, a
+ * pass issues 10 loads per 128 weight bytes and M = 4 ran at 20 GB/s (bf16) against 25-33 GB/s in two passes */
+#define ROWS 2
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* bit 0: AVX-512 (F, BW, VL) for the fp32 kernel; bit 1: AVX512-BF16 as well, for the bf16 kernel */
+int astrai_cpu_features(void) {
+    __builtin_cpu_init();
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    return avx512 | ((avx512 && __builtin_cpu_supports("avx512bf16")) << 1);
+}
+
+/* y[r * ldy] = dot(x[r * K : (r + 1) * K], w[0 : K]) for r < rows; rows is a constant after inlining */
+INLINE TARGET_BF16 void dot_bf16(const uint16_t *x, const uint16_t *w, long K, float *y, long ldy, int rows) {
+    __m512 even[ROWS], odd[ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+        for (int r = 0; r < rows; r++) {
+            even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(x + r * K + k), w0);
+            odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_loadu_si512(x + r * K + k + 32), w1);
+        }
+    }
+    for (; k < K; k += 32) { /* tail: masked loads read nothing past the row */
+        __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+        for (int r = 0; r < rows; r++)
+            even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * K + k), w0);
+    }
+    for (int r = 0; r < rows; r++) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+INLINE TARGET_F32 void dot_f32(const float *x, const float *w, long K, float *y, long ldy, int rows) {
+    __m512 even[ROWS], odd[ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+        for (int r = 0; r < rows; r++) {
+            even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), w0, even[r]);
+            odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16), w1, odd[r]);
+        }
+    }
+    for (; k < K; k += 16) {
+        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        __m512 w0 = _mm512_maskz_loadu_ps(mask, w + k);
+        for (int r = 0; r < rows; r++)
+            even[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + r * K + k), w0, even[r]);
+    }
+    for (int r = 0; r < rows; r++) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+/* one weight row against all M x rows, ROWS at a time (each block size gets its own unrolled copy) */
+#define ROW_AGAINST_X(DOT, x, w, M, K, y, ldy)                                                     \
+    for (long m = 0; m < (M); m += ROWS) {                                                           \
+        switch ((M) - m >= ROWS ? ROWS : (int)((M) - m)) {                                         \
+        case 2: DOT((x) + m * (K), w, K, (y) + m * (ldy), ldy, 2); break;                            \
+        default: DOT((x) + m * (K), w, K, (y) + m * (ldy), ldy, 1); break;                           \
+        }                                                                                            \
+    }
+
+TARGET_BF16 void astrai_matvec_bf16(const uint16_t *x, long M, long K, const uint16_t *const *ws, const long *ns,
+                                    long count, float *y, int threads) {
+    long ldy = 0;
+    for (long g = 0; g < count; g++) ldy += ns[g];
+#pragma omp parallel num_threads(threads)
+    {
+        long offset = 0;
+        for (long g = 0; g < count; g++) {
+            const uint16_t *w = ws[g];
+#pragma omp for schedule(static) nowait
+            for (long n = 0; n < ns[g]; n++) ROW_AGAINST_X(dot_bf16, x, w + n * K, M, K, y + offset + n, ldy)
+            offset += ns[g];
+        }
+    }
+}
+
+TARGET_F32 void astrai_matvec_f32(const float *x, long M, long K, const float *const *ws, const long *ns, long count,
+                                  float *y, int threads) {
+    long ldy = 0;
+    for (long g = 0; g < count; g++) ldy += ns[g];
+#pragma omp parallel num_threads(threads)
+    {
+        long offset = 0;
+        for (long g = 0; g < count; g++) {
+            const float *w = ws[g];
+#pragma omp for schedule(static) nowait
+            for (long n = 0; n < ns[g]; n++) ROW_AGAINST_X(dot_f32, x, w + n * K, M, K, y + offset + n, ldy)
+            offset += ns[g];
+        }
+    }
+}

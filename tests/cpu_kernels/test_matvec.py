@@ -1,0 +1,195 @@
+"""cpu_kernels.matvec: the AVX-512 few-row product equals torch's fp32 product, builds safely, and falls back.
+
+The kernel tests skip on CPUs without AVX-512 (and bf16 ones without AVX512-BF16); on a CPU whose flags list
+them, the kernel must build (so CI on such a box cannot pass by silently running the reference).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.cpu_kernels import matvec as cpu_matvec
+from astrai.ops.linear import MAX_KERNEL_ROWS, linear, linears
+from helpers import assert_close
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = {torch.float32: "avx512f", torch.bfloat16: "avx512_bf16"}  # /proc/cpuinfo's names
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+def _needs_kernel(dtype: torch.dtype) -> None:
+    if not cpu_matvec.supports(dtype):
+        pytest.skip(f"no CPU matvec kernel here: {cpu_matvec.unavailable_reason(dtype)}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_builds_where_the_cpu_has_the_instructions(dtype):
+    if FLAGS[dtype] not in _cpu_flags() or os.environ.get("ASTRAI_CPU_KERNELS") == "0":
+        pytest.skip(f"this CPU does not list {FLAGS[dtype]}")
+    assert cpu_matvec.unavailable_reason(dtype) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [1, 15, 16, 31, 33, 64, 100, 576])
+def test_kernel_matches_the_fp32_product(dtype, rows, k):
+    _needs_kernel(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    weights = [torch.randn(n, k).to(dtype) for n in (7, 1, 40)]
+    out = cpu_matvec.matvec(x, weights)
+    expected = cpu_matvec.matvec_ref(x, weights)
+    assert out.shape == (rows, 48) and out.dtype == torch.float32
+    # bf16 products are exact in fp32 on both sides: only the summation order differs
+    assert_close(out, expected, atol=1e-5 * k**0.5, rtol=1e-5)
+    # negative control: the weights' order decides where each one's columns land
+    swapped = cpu_matvec.matvec(x, weights[::-1])
+    assert not torch.allclose(swapped, expected)
+    assert_close(swapped[:, :40], expected[:, 8:], atol=1e-5 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_independent_of_the_thread_count(dtype):
+    # each output is one thread's dot product, so the split between threads cannot change a bit
+    _needs_kernel(dtype)
+    x, weight = torch.randn(3, 300).to(dtype), torch.randn(517, 300).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_matvec.matvec(x, [weight])
+        torch.set_num_threads(2)
+        two = cpu_matvec.matvec(x, [weight])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_strided_inputs_and_empty_shapes():
+    _needs_kernel(torch.float32)
+    x = torch.randn(32, 6)[:, ::2].T  # [3, 32], strided in both dimensions
+    weight = torch.randn(32, 20).T  # [20, 32] transposed view
+    assert_close(cpu_matvec.matvec(x, [weight]), x @ weight.T, atol=1e-5)
+    assert cpu_matvec.matvec(torch.randn(0, 8), [torch.randn(4, 8)]).shape == (0, 4)
+    assert torch.equal(cpu_matvec.matvec(torch.randn(2, 0), [torch.randn(4, 0)]), torch.zeros(2, 4))
+
+
+def test_mismatched_inputs_name_the_problem():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"wanted \[N, 8\]"):
+        cpu_matvec.matvec(x, [torch.randn(4, 9)])
+    with pytest.raises(ValueError, match="same dtype"):
+        cpu_matvec.matvec(x, [torch.randn(4, 8).bfloat16()])
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        cpu_matvec.matvec(torch.randn(8), [torch.randn(4, 8)])
+    with pytest.raises(ValueError, match="at least one weight"):
+        cpu_matvec.matvec(x, [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_linears_call_the_kernel_once_per_group(dtype):
+    _needs_kernel(dtype)
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(1, 2, 64).to(dtype)
+    weights = [torch.randn(n, 64).to(dtype) for n in (64, 16, 16)]
+    biases = [torch.randn(64).to(dtype), None, torch.randn(16).to(dtype)]
+    torch._dynamo.reset()
+    outs, (code,) = run_and_get_code(torch.compile(linears, fullgraph=True), x, weights, biases)
+    assert code.count("torch.ops.astrai.cpu_matvec.default(") == 1  # q/k/v in one call
+    for out, w, b in zip(outs, weights, biases, strict=True):
+        expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert_close(out, expected.to(dtype), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+    # one row keeps inductor's loop (measured as fast over a whole step), and so does an int8 weight
+    one = x[:, :1]
+    torch._dynamo.reset()
+    outs, (code,) = run_and_get_code(torch.compile(linears, fullgraph=True), one, weights, biases)
+    assert "cpu_matvec.default(" not in code
+    assert_close(outs[0], F.linear(one.float(), weights[0].float(), biases[0].float()).to(dtype), atol=1e-2)
+    q, scale = torch.randint(-127, 128, (16, 64), dtype=torch.int8), torch.rand(16)
+    torch._dynamo.reset()
+    out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True), x.float(), q, None, scale)
+    assert "cpu_matvec.default(" not in code
+    assert_close(out, F.linear(x.float(), q.float()) * scale, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_counts_past_the_measured_bound_keep_the_loop(dtype):
+    _needs_kernel(dtype)
+    from torch._inductor.utils import run_and_get_code
+
+    weight = torch.randn(24, 32).to(dtype)
+    for rows in (MAX_KERNEL_ROWS[dtype], MAX_KERNEL_ROWS[dtype] + 1):
+        x = torch.randn(rows, 32).to(dtype)
+        torch._dynamo.reset()
+        out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, weight)
+        assert ("cpu_matvec.default(" in code) == (rows <= MAX_KERNEL_ROWS[dtype]), rows
+        assert_close(out, F.linear(x.float(), weight.float()).to(dtype), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_products_that_need_a_gradient_keep_the_loop():
+    _needs_kernel(torch.float32)
+    from torch._inductor.utils import run_and_get_code
+
+    x, weight = torch.randn(4, 32), torch.randn(8, 32, requires_grad=True)
+    torch._dynamo.reset()
+    out, (code, *_) = run_and_get_code(torch.compile(linear, fullgraph=True), x, weight)
+    assert "cpu_matvec.default(" not in code  # the op has no backward
+    out.sum().backward()
+    assert_close(weight.grad, x.sum(0).expand(8, 32), atol=1e-5)
+
+
+_SUBPROCESS = """
+import torch
+from astrai.cpu_kernels import matvec as m
+x, w = torch.randn(2, 40), torch.randn(5, 40)
+print(m.unavailable_reason(torch.float32))
+assert torch.allclose(m.matvec(x, [w]), x @ w.T, atol=1e-5)  # the op stays correct without the kernel
+"""
+
+
+def _fresh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS], env=environment, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"ASTRAI_CPU_KERNELS": "0"}, "disabled by ASTRAI_CPU_KERNELS=0"),
+        ({"CC": "false"}, "could not build the kernel: false failed on matvec.c"),
+        ({"CC": "cc -Werror -DBROKEN=1 -include /nonexistent.h"}, "could not build the kernel"),
+    ],
+)
+def test_without_a_kernel_the_op_falls_back_and_says_why(tmp_path, env, reason):
+    proc = _fresh(tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(reason)
+    assert not list((tmp_path / "astrai" / "cpu_kernels").glob("*.so"))  # no half-written library is left
+
+
+def test_concurrent_first_builds_share_one_library(tmp_path):
+    if "avx512f" not in _cpu_flags() or not cpu_matvec.supports(torch.float32):
+        pytest.skip("no AVX-512 kernel here")
+    environment = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SUBPROCESS], env=environment, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0] and outputs == ["None"] * 3
+    built = list((tmp_path / "astrai" / "cpu_kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary files left behind
