@@ -82,34 +82,22 @@ INLINE TARGET_F32 void dot_f32(const float *x, const float *w, long K, float *y,
         }                                                                                            \
     }
 
-TARGET_BF16 void astrai_matvec_bf16(const uint16_t *x, long M, long K, const uint16_t *const *ws, const long *ns,
-                                    long count, float *y, int threads) {
-    long ldy = 0;
-    for (long g = 0; g < count; g++) ldy += ns[g];
-#pragma omp parallel num_threads(threads)
-    {
-        long offset = 0;
-        for (long g = 0; g < count; g++) {
-            const uint16_t *w = ws[g];
-#pragma omp for schedule(static) nowait
-            for (long n = 0; n < ns[g]; n++) ROW_AGAINST_X(dot_bf16, x, w + n * K, M, K, y + offset + n, ldy)
-            offset += ns[g];
-        }
+/* an exported entry: each weight's rows split evenly across the threads, each thread's share read in order */
+#define DEFINE_MATVEC(NAME, TARGET, T, DOT)                                                                  \
+    TARGET void NAME(const T *x, long M, long K, const T *const *ws, const long *ns, long count, float *y,    \
+                     int threads) {                                                                           \
+        long ldy = 0;                                                                                         \
+        for (long g = 0; g < count; g++) ldy += ns[g];                                                        \
+        _Pragma("omp parallel num_threads(threads)") {                                                        \
+            long offset = 0;                                                                                  \
+            for (long g = 0; g < count; g++) {                                                                \
+                const T *w = ws[g];                                                                           \
+                _Pragma("omp for schedule(static) nowait")                                                    \
+                for (long n = 0; n < ns[g]; n++) ROW_AGAINST_X(DOT, x, w + n * K, M, K, y + offset + n, ldy)  \
+                offset += ns[g];                                                                              \
+            }                                                                                                 \
+        }                                                                                                     \
     }
-}
 
-TARGET_F32 void astrai_matvec_f32(const float *x, long M, long K, const float *const *ws, const long *ns, long count,
-                                  float *y, int threads) {
-    long ldy = 0;
-    for (long g = 0; g < count; g++) ldy += ns[g];
-#pragma omp parallel num_threads(threads)
-    {
-        long offset = 0;
-        for (long g = 0; g < count; g++) {
-            const float *w = ws[g];
-#pragma omp for schedule(static) nowait
-            for (long n = 0; n < ns[g]; n++) ROW_AGAINST_X(dot_f32, x, w + n * K, M, K, y + offset + n, ldy)
-            offset += ns[g];
-        }
-    }
-}
+DEFINE_MATVEC(astrai_matvec_bf16, TARGET_BF16, uint16_t, dot_bf16)
+DEFINE_MATVEC(astrai_matvec_f32, TARGET_F32, float, dot_f32)
