@@ -5,8 +5,8 @@ kernel reads it once for several rows. Inductor's multiply + row-sum loop (`astr
 weight per row, and oneDNN/MKL run these shapes at 6-10 GB/s. `matvec.c` walks each weight row by row as one
 contiguous stream, two x rows per pass; bf16 uses AVX512-BF16's `vdpbf16ps` (exact products, fp32
 accumulation), so the weight is never widened. Measured over all projections of SmolLM2-135M on the 2-core
-development box: 16-25 GB/s against the loop's 5-12 (bf16, 1-4 rows), and a compiled decode step of 2-8 rows
-1.4-2.4x faster (docs/benchmarks.md, "CPU matvec kernel").
+development box: 16-25 GB/s against the loop's 5-12 (bf16, 1-4 rows); a compiled decode step 1.6-2.4x faster
+in bf16 at 2-8 rows, 1.1-1.4x in fp32 at 2-4 (docs/benchmarks.md, "CPU matvec kernel").
 
 The C source is compiled on first use with the C compiler the machine already has for `torch.compile`'s CPU
 code (`$CC`, else `cc`, `gcc` or `clang`), into `$XDG_CACHE_HOME/astrai/cpu_kernels` (else

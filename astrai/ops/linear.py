@@ -12,13 +12,13 @@ a quarter of the fp32 bytes (measured 2.3-3.4x the fp32 loop on this box, docs/b
 many rows, GPU) the weight is widened to the input's dtype and multiplied as usual, the scale applied to the
 product's columns; under `torch.compile` on GPU inductor fuses the widening into the matmul.
 
-With 2-8 rows of bf16 or 2-4 of fp32 (batched decode, n > 1 sampling) on an AVX-512 CPU, the products instead
+With 2-8 rows of fp32 or bf16 (batched decode, n > 1 sampling) on an AVX-512 CPU, the products instead
 call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
 inductor's loop re-reads it per row: a SmolLM2-135M decode step of 4 rows took 17-18 ms against 33-49 (bf16)
 and 28-33 against 39-43 (fp32). One call takes the weights that share an input (q/k/v, gate/up). One row keeps
 inductor's loop: the kernel streams a single row faster in isolation, but as an opaque op (~17 us a call, ~120
-calls a step) that splits inductor's fused kernels it measured no faster over the whole step (`MAX_KERNEL_ROWS`
-has the other bound). `ASTRAI_CPU_KERNELS=0` turns it off; without AVX-512 or a C compiler the loop runs.
+calls a step) that splits inductor's fused kernels it measured no faster over the whole step.
+`ASTRAI_CPU_KERNELS=0` turns it off; without AVX-512 or a C compiler the loop runs.
 
 Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
 pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. Weights nobody packed take `F.linear`
@@ -37,11 +37,11 @@ from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.ops import packed_linear as packed
 
 MAX_REDUCE_ROWS = 8  # measured crossover on a 2-core EPYC: the reduce form wins at 1-8 rows, loses at 16
-# Rows the CPU matvec kernel takes, by dtype: measured over whole compiled decode steps (docs/benchmarks.md, "CPU
-# matvec kernel"). At one row inductor's loop, fused with its neighbours, was as fast or faster; fp32 at 8 rows
-# the kernel runs out of loads (each weight chunk meets 8 rows of x from L1) and tied.
+# The CPU matvec kernel takes 2..MAX_REDUCE_ROWS rows: at one row inductor's loop, fused with its neighbours, was
+# as fast or faster over whole compiled decode steps (docs/benchmarks.md, "CPU matvec kernel"). The upper bound is
+# the loop's: a bound of its own would split the 2-8-row decode graph in two (a recompile on CPU when a batch
+# crosses it), for fp32 at 5-8 rows, where the kernel measured within the noise of the loop.
 MIN_KERNEL_ROWS = 2
-MAX_KERNEL_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -102,7 +102,7 @@ def _matvec_kernel(x: Tensor, weights: Sequence[Tensor]) -> bool:
     """Whether a few-row product may call the hand-written CPU kernel: no gradient, one dtype it supports, and
     row-major weights (a transposed view would be copied on every call; the loop reads any strides)."""
     rows = x.numel() // x.shape[-1]
-    if not MIN_KERNEL_ROWS <= rows <= MAX_KERNEL_ROWS.get(x.dtype, 0):
+    if rows < MIN_KERNEL_ROWS:  # callers have checked rows <= MAX_REDUCE_ROWS
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
         return False

@@ -218,18 +218,18 @@ def test_bad_requests_are_rejected_with_clear_errors(pair):
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
 def test_compiled_decode_equals_eager(pair, prompts, reference, background, monkeypatch):
     _, model = pair
-    # on an AVX-512 CPU the 4-row fp32 decode steps run the hand-written matvec kernel (q/k/v with biases grouped)
+    # on an AVX-512 CPU the 2-8-row decode steps run the hand-written matvec kernel (q/k/v with biases grouped)
     kernels, calls = cpu_matvec._load().kernels, []
     if DEVICE == "cpu" and torch.float32 in kernels:
         kernel = kernels[torch.float32]
         monkeypatch.setitem(kernels, torch.float32, lambda *args: calls.append(args[1]) or kernel(*args))
     with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048, background=background)) as engine:
-        results = engine.generate(prompts[:4], GREEDY)
+        results = engine.generate(prompts[:5], GREEDY)
         if DEVICE == "cuda":  # the compiled step was captured and replayed as CUDA graphs
             assert engine.runner.graphs is not None and engine.runner.graphs.graphs
-    assert [list(r.outputs[0].token_ids) for r in results] == reference[:4]
+    assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
     if DEVICE == "cpu" and torch.float32 in kernels:
-        assert calls and set(calls) <= {2, 3, 4}  # decode rows (one row keeps inductor's loop)
+        assert calls and set(calls) <= set(range(2, 9))  # decode rows (one row keeps inductor's loop)
 
 
 def test_decode_buffers_pad_batches_to_buckets_without_stale_rows(pair, prompts, reference):
@@ -281,7 +281,7 @@ def test_foreground_engine_steps_on_the_calling_thread(pair, prompts, reference)
     _, model = pair
     with Engine(model, EngineConfig(compile=False, background=False, max_step_tokens=32, max_running=8)) as engine:
         assert engine._thread is None
-        results = engine.generate(prompts[:4], GREEDY)
+        results = engine.generate(prompts[:5], GREEDY)
         assert [list(r.outputs[0].token_ids) for r in results] == reference[:4]
         stream = engine.stream(prompts[5], GREEDY)
         first = next(stream)
