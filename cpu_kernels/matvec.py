@@ -79,12 +79,12 @@ _STATE: _Loaded | None = None
 _LOCK = threading.Lock()
 
 
-def _build(compiler: list[str]) -> Path:
-    """Compile matvec.c into the cache (skipped when this source and compiler were built before)."""
+def _build(compiler: list[str], *, fresh: bool = False) -> Path:
+    """Compile matvec.c into the cache (skipped when this source and compiler were built before, unless `fresh`)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([*compiler, *_FLAGS]).encode()).hexdigest()[:16]
     target = build_dir() / f"matvec-{key}.so"
-    if target.exists():
+    if target.exists() and not fresh:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # compile to a private name and rename: a concurrent build by another process never leaves a torn file
@@ -103,6 +103,27 @@ def _build(compiler: list[str]) -> Path:
     return target
 
 
+def _open(compiler: list[str]) -> ctypes.CDLL:
+    """Load the cached library; one that fails to load or lacks the entry points (a truncated or foreign file
+    under the cache's name) is rebuilt once rather than leaving the kernel off for good."""
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+        for name in ("astrai_cpu_features", *_FUNCTIONS.values()):
+            getattr(library, name)
+        return library
+    except (OSError, AttributeError):
+        target = _build(compiler, fresh=True)
+    # loaded from a private copy: a damaged file that did load stays open under the cache's name, and dlopen
+    # would hand that one back (the copy is unlinked at once; the mapping outlives the name)
+    fd, private = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(target, private)
+        return ctypes.CDLL(private)
+    finally:
+        os.unlink(private)
+
+
 def _load() -> _Loaded:
     global _STATE
     if _STATE is not None:
@@ -119,9 +140,9 @@ def _load() -> _Loaded:
                 state.reason = "no C compiler found (set CC, or install gcc or clang)"
             else:
                 try:
-                    library = ctypes.CDLL(str(_build(compiler)))
+                    library = _open(compiler)
                     state.features = library.astrai_cpu_features()
-                except (OSError, subprocess.SubprocessError) as error:
+                except (OSError, AttributeError, subprocess.SubprocessError) as error:
                     state.reason = f"could not build the kernel: {error}"
                 else:
                     for dtype, name in _FUNCTIONS.items():
