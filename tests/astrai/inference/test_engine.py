@@ -281,7 +281,7 @@ def test_foreground_engine_steps_on_the_calling_thread(pair, prompts, reference)
     _, model = pair
     with Engine(model, EngineConfig(compile=False, background=False, max_step_tokens=32, max_running=8)) as engine:
         assert engine._thread is None
-        results = engine.generate(prompts[:5], GREEDY)
+        results = engine.generate(prompts[:4], GREEDY)
         assert [list(r.outputs[0].token_ids) for r in results] == reference[:4]
         stream = engine.stream(prompts[5], GREEDY)
         first = next(stream)
