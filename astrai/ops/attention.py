@@ -4,7 +4,9 @@
 (`LatentCache` is the MLA pool: one latent tensor per layer, used by `astrai.nn.mla`).
 Dense attention always runs torch SDPA (flash/efficient kernels on CUDA). Paged attention dispatches per
 `astrai.ops.backend`: Triton kernels on CUDA, their plain-torch references (`triton_kernels.<op>.<op>_ref`,
-vectorised and compile-friendly) on CPU, or the CUDA references. `pages_needed` is the one page round-up.
+vectorised and compile-friendly) on CPU, or the CUDA references. CPU decode takes the hand-written kernel
+`astrai.cpu_kernels.decode_attention` where it runs (AVX-512; fp32 or bf16): it reads the pages in place, where
+the reference gathers them into a padded fp32 copy for SDPA. `pages_needed` is the one page round-up.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.cpu_kernels import decode_attention as cpu_attention
 from astrai.ops.backend import Backend, attn_backend
 from astrai.tree import pytree, static
 
@@ -134,7 +137,14 @@ def paged_attention(
     Returns:
         [T, H, D].
     """
-    impl = _paged_impl(meta.decode, attn_backend(q))
+    backend = attn_backend(q)
+    if meta.decode and backend == "torch" and cpu_attention.supports(q, k_cache, v_cache):
+        # CPU decode: the hand-written kernel reads the pages in place (the reference gathers them into fp32)
+        args = (q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.page_size, scale, window)
+        if torch.compiler.is_compiling():
+            return torch.ops.astrai.cpu_decode_attention(*args)
+        return cpu_attention.decode_attention(*args[:5], page_size=meta.page_size, scale=scale, window=window)
+    impl = _paged_impl(meta.decode, backend)
     if meta.decode:
         args = (q, k_cache, v_cache, meta.block_table, meta.seq_lens)
     else:

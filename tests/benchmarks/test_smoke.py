@@ -34,6 +34,7 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         "bench_tp.py",
         "bench_packed_linear.py",
         "bench_matvec.py",
+        "bench_cpu_attention.py",
         pytest.param("bench_train.py", marks=pytest.mark.slow),
     ],  # ~30 s on 2 cores: compiles three train steps
 )
@@ -59,6 +60,9 @@ def test_smoke_mode_reports_json(script, tmp_path):
     elif report.get("benchmark") == "bench_matvec":  # every provider measured (where this CPU has the kernel)
         assert report["read_bandwidth_gbs"] > 0
         assert all(r[f"{k}_gbs"] > 0 for r in report["results"] for k in ("f_linear", "inductor", "kernel_groups"))
+    elif report.get("benchmark") == "bench_cpu_attention":  # every provider measured and agreeing (asserted inside)
+        assert all(r[f"{k}_us"] > 0 for r in report["results"] for k in ("ref_eager", "ref_compiled"))
+        assert report["read_bandwidth_gbs"] > 0
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm

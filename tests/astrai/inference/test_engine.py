@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import astrai
+from astrai.cpu_kernels import decode_attention as cpu_attention
 from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.inference.engine import Engine, EngineBusyError, EngineConfig, EngineDeadError
 from astrai.inference.errors import EngineInputError
@@ -218,11 +219,13 @@ def test_bad_requests_are_rejected_with_clear_errors(pair):
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
 def test_compiled_decode_equals_eager(pair, prompts, reference, background, monkeypatch):
     _, model = pair
-    # on an AVX-512 CPU the 2-8-row decode steps run the hand-written matvec kernel (q/k/v with biases grouped)
-    kernels, calls = cpu_matvec._load().kernels, []
+    # on an AVX-512 CPU the 2-8-row decode steps run the hand-written matvec kernel (q/k/v with biases grouped),
+    # and every decode step the decode attention kernel
+    kernels, attention, calls, attention_calls = cpu_matvec._kernels(), cpu_attention._kernels(), [], []
     if DEVICE == "cpu" and torch.float32 in kernels:
-        kernel = kernels[torch.float32]
+        kernel, attend = kernels[torch.float32], attention[torch.float32]
         monkeypatch.setitem(kernels, torch.float32, lambda *args: calls.append(args[1]) or kernel(*args))
+        monkeypatch.setitem(attention, torch.float32, lambda *args: attention_calls.append(args[1]) or attend(*args))
     with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048, background=background)) as engine:
         results = engine.generate(prompts[:5], GREEDY)
         if DEVICE == "cuda":  # the compiled step was captured and replayed as CUDA graphs
@@ -230,6 +233,7 @@ def test_compiled_decode_equals_eager(pair, prompts, reference, background, monk
     assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
     if DEVICE == "cpu" and torch.float32 in kernels:
         assert calls and set(calls) <= set(range(2, 9))  # decode rows (one row keeps inductor's loop)
+        assert 5 in attention_calls  # the five requests decode together
 
 
 def test_decode_buffers_pad_batches_to_buckets_without_stale_rows(pair, prompts, reference):

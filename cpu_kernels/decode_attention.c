@@ -1,0 +1,207 @@
+/* Paged decode attention on AVX-512 CPUs: one new query token per request over its pages of the KV pool.
+ *
+ * The plain-torch path (triton_kernels/decode_attention.py, `decode_attention_ref`) gathers every request's pages
+ * into a padded fp32 copy of its keys and values, builds a mask and calls SDPA: three passes over the context in
+ * fp32 for a product that needs one pass over the cache in its own dtype. At 1024 tokens of context it took
+ * ~0.1 ms a layer on the 2-core development box, more than the layer's weights take to stream. This kernel reads
+ * each key and value row once, where it lies in the pool, in the cache's dtype.
+ *
+ * Work: one item per (request, KV head, split of the context). A split runs flash-attention's online softmax
+ * over blocks of 16 positions: scores of the group's query heads (bf16 pairs by `vdpbf16ps`, fp32 by FMA, fp32
+ * accumulation; 16 positions' dot products reduced together), a vectorised exp, then the values accumulated in
+ * fp32. Splits (long contexts with few requests
+ * and heads) are merged by their log-sum-exp. The split count depends on the shapes only, never on the thread
+ * count, so results do not change with `torch.set_num_threads`.
+ *
+ * Semantics (those of `decode_attention_ref`): request b attends to positions [max(0, len - window), len) with
+ * window 0 meaning all; block-table entries are clamped into the pool; a request with len 0 gets zeros; rows past
+ * a request's length (or its table's pages) are never read. Layout: q [B, H, D] and out [B, H, D] contiguous, in the cache's dtype; caches
+ * [S, Kh, D] with a contiguous last dim and any row / head strides; D a multiple of 16, at most 256; at most 16
+ * query heads per KV head (the Python side checks, and runs the reference otherwise).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 16      /* positions per online-softmax step: one zmm of scores */
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_DIM 256
+#define MIN_SPLIT 256 /* positions per split at least: a split's fixed cost (its partials, the merge) stays small */
+#define MAX_SPLITS 8
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* exp of 16 floats <= 0 (Cephes' polynomial after x = n ln2 + r; ~1 ulp); lanes outside `keep` come out 0 */
+INLINE TARGET_F32 __m512 exp_ps(__m512 x, __mmask16 keep) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* 16 values of a row, widened to fp32 */
+INLINE TARGET_F32 __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE TARGET_F32 __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* The 16 lane-wise partial products of a dot product (summed by `sum16` for 16 positions at once) */
+INLINE TARGET_F32 __m512 partial_f32(const float *q, const float *k, long D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (long d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+    return acc;
+}
+
+INLINE TARGET __m512 partial_bf16(const uint16_t *q, const uint16_t *k, long D) {
+    __m512 acc = _mm512_setzero_ps();
+    long d = 0;
+    for (; d + 32 <= D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+    if (d < D) /* D % 32 == 16 */
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(0xffff, q + d),
+                               (__m512bh)_mm512_maskz_loadu_epi16(0xffff, k + d));
+    return acc;
+}
+
+/* lane j of the result = the sum of x[j]'s 16 lanes: a transposing reduction, ~3 instructions per vector instead
+ * of a horizontal sum each */
+INLINE TARGET_F32 __m512 sum16(const __m512 *x) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: x[2i]'s partials in elements 0, 2; x[2i+1]'s in 1, 3 */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: element e holds x[4i + e]'s partial */
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    /* add the four 128-bit lanes of each b[i] and put b[i]'s four sums in lane i */
+    __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xdd));
+}
+
+/* Positions [lo, hi) of one request and KV head for its `group` query heads (q rows `q`, `D` apart): the running
+ * max `m`, sum `l` and unnormalised output `acc` [group][D] of the online softmax. `rows` maps a position to its
+ * pool row. T is the cache element type, PARTIAL its dot product's lane partials, LOAD its 16-value widening load.
+ * Per block of 16 positions: the scores of each head as one vector, then for each 16 columns of D the block's
+ * values widened once (in registers) and added into each head's accumulator (loaded and stored once). */
+#define DEFINE_SPAN(NAME, TGT, T, PARTIAL, LOAD)                                                                  \
+    INLINE TGT void NAME(const T *q, long group, long D, const T *k, const T *v, long k_s0, long v_s0,            \
+                         const int32_t *table, long num_pages, long page_size, long lo, long hi, float scale,     \
+                         float *m, float *l, float *acc) {                                                        \
+        for (long g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;                                           \
+        memset(acc, 0, sizeof(float) * group * D);                                                                \
+        for (long t0 = lo; t0 < hi; t0 += BLOCK) {                                                                \
+            long n = hi - t0 < BLOCK ? hi - t0 : BLOCK;                                                           \
+            long rows[BLOCK];                                                                                     \
+            for (long j = 0; j < n; j++) {                                                                        \
+                long pos = t0 + j, page = table[pos / page_size];                                                 \
+                page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;                                   \
+                rows[j] = page * page_size + pos % page_size;                                                     \
+            }                                                                                                     \
+            __mmask16 keep = (__mmask16)((1u << n) - 1);                                                          \
+            float p[MAX_GROUP][BLOCK];                                                                            \
+            for (long g = 0; g < group; g++) {                                                                    \
+                __m512 parts[BLOCK];                                                                              \
+                for (long j = 0; j < BLOCK; j++)                                                                  \
+                    parts[j] = j < n ? PARTIAL(q + g * D, k + rows[j] * k_s0, D) : _mm512_setzero_ps();           \
+                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,                                   \
+                                               _mm512_mul_ps(sum16(parts), _mm512_set1_ps(scale)));               \
+                float m_new = fmaxf(m[g], _mm512_reduce_max_ps(sv));                                              \
+                float alpha = expf(m[g] - m_new); /* m = -inf on the first block: alpha 0 */                      \
+                __m512 pv = exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)), keep);                               \
+                _mm512_storeu_ps(p[g], pv);                                                                       \
+                l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);                                                   \
+                m[g] = m_new;                                                                                     \
+                if (alpha != 1.0f)                                                                                \
+                    for (long d = 0; d < D; d += 16)                                                              \
+                        _mm512_storeu_ps(acc + g * D + d,                                                         \
+                                         _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), _mm512_set1_ps(alpha))); \
+            }                                                                                                     \
+            for (long d = 0; d < D; d += 16) {                                                                    \
+                __m512 vv[BLOCK];                                                                                 \
+                for (long j = 0; j < BLOCK; j++) vv[j] = j < n ? LOAD(v + rows[j] * v_s0 + d) : _mm512_setzero_ps(); \
+                for (long g = 0; g < group; g++) {                                                                \
+                    __m512 sum = _mm512_loadu_ps(acc + g * D + d);                                                \
+                    for (long j = 0; j < BLOCK; j++) sum = _mm512_fmadd_ps(_mm512_set1_ps(p[g][j]), vv[j], sum);  \
+                    _mm512_storeu_ps(acc + g * D + d, sum);                                                       \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+
+DEFINE_SPAN(span_f32, TARGET_F32, float, partial_f32, load16_f32)
+DEFINE_SPAN(span_bf16, TARGET, uint16_t, partial_bf16, load16_bf16)
+
+/* an output value in the cache's dtype: bf16 rounds to nearest even, as torch's conversion does */
+INLINE float store_f32(float x) { return x; }
+INLINE uint16_t store_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (isnan(x)) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* splits per (request, KV head): only long contexts with few (request, head) pairs are split */
+static long num_splits(long pairs, long max_len) {
+    if (pairs >= 16) return 1;
+    long splits = max_len / MIN_SPLIT;
+    return splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
+}
+
+/* One exported entry per cache dtype. Partials of split s of (b, head h) sit at index (b * H + h) * splits + s. */
+#define DEFINE_DECODE(NAME, TGT, T, SPAN, STORE)                                                                          \
+    TGT int NAME(const T *q, long B, long H, long D, const T *k, const T *v, long Kh, long k_s0, long k_s1,        \
+                 long v_s0, long v_s1, long pool_rows, const int32_t *table, long table_s0, long width, const int32_t *lens, \
+                 long page_size, float scale, long window, T *out, int threads) {                             \
+        long group = H / Kh, num_pages = pool_rows / page_size, max_len = 0;                                      \
+        for (long b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;                             \
+        long splits = num_splits(B * Kh, max_len), items = B * Kh * splits;                                       \
+        float *part_m = malloc(sizeof(float) * B * H * splits * (D + 2));                                         \
+        if (!part_m) return 1;                                                                                    \
+        float *part_l = part_m + B * H * splits, *part_acc = part_l + B * H * splits;                             \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                                        \
+        for (long item = 0; item < items; item++) {                                                               \
+            long b = item / (Kh * splits), kh = item / splits % Kh, s = item % splits;                            \
+            long len = lens[b] < 0 ? 0 : lens[b];                                                                 \
+            long start = window > 0 && len > window ? len - window : 0;                                           \
+            long end = len < width * page_size ? len : width * page_size; /* the table's pages hold no more */   \
+            long chunk = end > start ? (end - start + splits - 1) / splits : 0;                                   \
+            long lo = start + s * chunk, hi = lo + chunk < end ? lo + chunk : end;                                \
+            float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP * MAX_DIM];                                           \
+            SPAN(q + (b * H + kh * group) * D, group, D, k + kh * k_s1, v + kh * v_s1, k_s0, v_s0,                \
+                 table + b * table_s0, num_pages, page_size, lo, lo < hi ? hi : lo, scale, m, l, acc);            \
+            for (long g = 0; g < group; g++) {                                                                    \
+                long at = (b * H + kh * group + g) * splits + s;                                                  \
+                part_m[at] = m[g], part_l[at] = l[g];                                                             \
+                memcpy(part_acc + at * D, acc + g * D, sizeof(float) * D);                                        \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (long bh = 0; bh < B * H; bh++) { /* merge the splits; all empty (len 0): zeros */                    \
+            float top = -INFINITY, total = 0.0f, o[MAX_DIM] = {0};                                                \
+            for (long s = 0; s < splits; s++) top = fmaxf(top, part_m[bh * splits + s]);                          \
+            for (long s = 0; s < splits && top != -INFINITY; s++) {                                               \
+                long at = bh * splits + s;                                                                        \
+                float w = expf(part_m[at] - top);                                                                 \
+                total += w * part_l[at];                                                                          \
+                for (long d = 0; d < D; d++) o[d] += w * part_acc[at * D + d];                                    \
+            }                                                                                                     \
+            for (long d = 0; d < D; d++) out[bh * D + d] = STORE(top == -INFINITY ? 0.0f : o[d] / total);         \
+        }                                                                                                         \
+        free(part_m);                                                                                             \
+        return 0;                                                                                                 \
+    }
+
+DEFINE_DECODE(astrai_decode_attention_f32, TARGET_F32, float, span_f32, store_f32)
+DEFINE_DECODE(astrai_decode_attention_bf16, TARGET, uint16_t, span_bf16, store_bf16)

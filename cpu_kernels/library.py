@@ -1,0 +1,151 @@
+"""Build and load the C kernels of this folder: one shared library from every `*.c` source, once per process.
+
+The sources are compiled on first use with the C compiler the machine already has for `torch.compile`'s CPU
+code (`$CC`, else `cc`, `gcc` or `clang`), into `$XDG_CACHE_HOME/astrai/cpu_kernels` (else
+`~/.cache/astrai/cpu_kernels`), one file per set of sources and compiler, in about a second. The library links
+the process's own libgomp (torch's); the kernels take their thread count from the caller.
+
+`load()` returns the library with the CPU's features, or why there is none: `ASTRAI_CPU_KERNELS=0`, not x86-64,
+no compiler, or a failed build. The kernel modules (`matvec`, `decode_attention`) add their own checks (dtype,
+AVX512-BF16) on top.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "load"]
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+AVX512, AVX512_BF16 = 1, 2  # bits of astrai_cpu_features(): AVX-512 F/BW/VL, and AVX512-BF16 as well
+FEATURES = {torch.float32: AVX512, torch.bfloat16: AVX512_BF16}  # what each dtype's kernels need
+
+
+class Library:
+    """The loaded ctypes library and `astrai_cpu_features()`, or `reason` why it could not be had."""
+
+    def __init__(self, cdll: ctypes.CDLL | None = None, features: int = 0, reason: str | None = None) -> None:
+        self.cdll, self.features, self.reason = cdll, features, reason
+
+
+_LIBRARY: Library | None = None
+_LOCK = threading.Lock()
+
+
+def _disabled() -> bool:
+    return os.environ.get("ASTRAI_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _compiler() -> list[str] | None:
+    """The C compiler command: `$CC` (may carry flags), else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    found = next((shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
+    return [found] if found else None
+
+
+def build_dir() -> Path:
+    """Where the compiled library is kept: `$XDG_CACHE_HOME/astrai/cpu_kernels`, else ~/.cache/astrai/..."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(base) / "astrai" / "cpu_kernels"
+
+
+def _build(compiler: list[str], *, fresh: bool = False) -> Path:
+    """Compile the sources into the cache (skipped when these sources and compiler were built before, unless
+    `fresh`)."""
+    digest = hashlib.sha256(" ".join([*compiler, *_FLAGS]).encode())
+    for source in SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    target = build_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
+    if target.exists() and not fresh:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compile to a private name and rename: a concurrent build by another process never leaves a torn file
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [*compiler, *_FLAGS, *map(str, SOURCES), "-o", partial], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            names = " ".join(source.name for source in SOURCES)
+            raise OSError(f"{' '.join(compiler)} failed on {names}: {proc.stderr.strip()[-600:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _open(compiler: list[str], entries: tuple[str, ...]) -> ctypes.CDLL:
+    """Load the cached library; one that fails to load or lacks an entry point (a truncated or foreign file
+    under the cache's name) is rebuilt once rather than leaving the kernels off for good."""
+    try:
+        cdll = ctypes.CDLL(str(_build(compiler)))
+        for name in entries:
+            getattr(cdll, name)
+        return cdll
+    except (OSError, AttributeError):
+        target = _build(compiler, fresh=True)
+    # loaded from a private copy: a damaged file that did load stays open under the cache's name, and dlopen
+    # would hand that one back (the copy is unlinked at once; the mapping outlives the name)
+    fd, private = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(target, private)
+        return ctypes.CDLL(private)
+    finally:
+        os.unlink(private)
+
+
+# every kernel module's entry points: a cached library missing one of them is stale or damaged
+ENTRIES = ("astrai_cpu_features", "astrai_matvec_f32", "astrai_matvec_bf16", "astrai_decode_attention_f32",
+           "astrai_decode_attention_bf16")  # fmt: skip
+
+
+def load() -> Library:
+    """The library, built on the first call of the process (thread-safe); later calls return the same one."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return _LIBRARY
+    with _LOCK:
+        if _LIBRARY is None:
+            compiler = _compiler()
+            if _disabled():
+                _LIBRARY = Library(reason="disabled by ASTRAI_CPU_KERNELS=0")
+            elif platform.machine().lower() not in ("x86_64", "amd64"):
+                _LIBRARY = Library(reason=f"needs an x86-64 CPU with AVX-512 (this one is {platform.machine()})")
+            elif compiler is None:
+                _LIBRARY = Library(reason="no C compiler found (set CC, or install gcc or clang)")
+            else:
+                try:
+                    cdll = _open(compiler, ENTRIES)
+                    _LIBRARY = Library(cdll, cdll.astrai_cpu_features())
+                except (OSError, AttributeError, subprocess.SubprocessError) as error:
+                    _LIBRARY = Library(reason=f"could not build the kernel: {error}")
+    return _LIBRARY
+
+
+def bind(functions: dict[torch.dtype, str], argtypes: Sequence[Any], restype: Any) -> dict[torch.dtype, Any]:
+    """The ctypes entries `functions` names, typed, for each dtype whose instructions this CPU has (empty without
+    the library)."""
+    loaded, out = load(), {}
+    for dtype, name in functions.items():
+        if loaded.cdll is not None and loaded.features & FEATURES[dtype]:
+            out[dtype] = function = getattr(loaded.cdll, name)
+            function.argtypes, function.restype = list(argtypes), restype
+    return out
