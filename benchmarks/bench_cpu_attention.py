@@ -13,7 +13,8 @@ GB/s = the K/V bytes the request's context holds / the median time (min-max in t
 dtype and context, the second traced with the kernel library marked unavailable, timed in alternation for
 `--rounds` rounds (median ms per token per round; the median of the rounds, all rounds in the JSON). At one row
 only decode attention differs (the matvec kernel takes 2-8 rows). The roofline fraction counts the weights plus the
-context's K/V bytes per token against the read bandwidth (best of 10 sums of 1 GiB).
+context's K/V bytes per token against the read bandwidth (best of 10 sums of 1 GiB); `weights_roofline_on` counts
+the weights only, as bench_forward does.
 
 Usage: python benchmarks/bench_cpu_attention.py [--dtypes bfloat16 float32] [--contexts 128 512 2048]
 [--batch 1 8] [--step-contexts 512 2048 --rounds 6]. `--smoke` in seconds. Prints rich tables, then the JSON
@@ -135,7 +136,8 @@ def step_worker(dtype_name: str, context: int, config: str, rounds: int) -> dict
             runs[switch].append(statistics.median(times) * 1e3)
     element = model.params.embed_tokens.weight.element_size()
     kv = 2 * context * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
-    return {"runs": runs, "bytes_per_token": decode_weight_bytes(model) + kv, "kernel": kept is None}
+    weights = decode_weight_bytes(model)
+    return {"runs": runs, "bytes_per_token": weights + kv, "weight_bytes": weights, "kernel": kept is None}
 
 
 def run_steps(args, bandwidth: float) -> list[dict]:
@@ -154,7 +156,8 @@ def run_steps(args, bandwidth: float) -> list[dict]:
                    "on_runs_ms": runs["on"], "off_runs_ms": runs["off"], "on_tok_s": 1e3 / on,
                    "kernel": report["kernel"],
                    "roofline_on": report["bytes_per_token"] / (on * 1e-3) / (bandwidth * 1e9),
-                   "roofline_off": report["bytes_per_token"] / (off * 1e-3) / (bandwidth * 1e9)}  # fmt: skip
+                   "roofline_off": report["bytes_per_token"] / (off * 1e-3) / (bandwidth * 1e9),
+                   "weights_roofline_on": report["weight_bytes"] / (on * 1e-3) / (bandwidth * 1e9)}  # fmt: skip
             out.append(row)
             console.print(f"[dim]{dtype_name} context {context}: {on:.1f} ms on, {off:.1f} off")
     return out
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"(median of {args.rounds} alternating rounds); read bandwidth {bandwidth:.1f} GB/s",
                             report["steps"], [("dtype", ""), ("context", ""), ("on_ms", ".1f"), ("off_ms", ".1f"),
                             ("speedup", ".2f"), ("on_tok_s", ".1f"), ("roofline_on", ".0%"),
-                            ("roofline_off", ".0%")]))  # fmt: skip
+                            ("roofline_off", ".0%"), ("weights_roofline_on", ".0%")]))  # fmt: skip
     emit(report, args.out)
     return 0
 

@@ -6,18 +6,20 @@
  * ~0.1 ms a layer on the 2-core development box, more than the layer's weights take to stream. This kernel reads
  * each key and value row once, where it lies in the pool, in the cache's dtype.
  *
- * Work: one item per (request, KV head, split of the context). A split runs flash-attention's online softmax
- * over blocks of 16 positions: scores of the group's query heads (bf16 pairs by `vdpbf16ps`, fp32 by FMA, fp32
- * accumulation; 16 positions' dot products reduced together), a vectorised exp, then the values accumulated in
- * fp32. Splits (long contexts with few requests
- * and heads) are merged by their log-sum-exp. The split count depends on the shapes only, never on the thread
+ * Work: one item per (request, split of its context), over all its KV heads: block by block (16 positions), the
+ * rows of every head of a position, adjacent in the pool, are read together, and the next block's rows are
+ * prefetched, so each thread streams whole pool rows. Per head, flash-attention's online softmax: the scores of
+ * the group's query heads (bf16 pairs by `vdpbf16ps`, fp32 by FMA, fp32 accumulation; 16 positions' dot products
+ * reduced together), a vectorised exp, then the values accumulated in fp32. Splits (long contexts of fewer than
+ * 16 requests) are merged by their log-sum-exp. The split count depends on the shapes only, never on the thread
  * count, so results do not change with `torch.set_num_threads`.
  *
  * Semantics (those of `decode_attention_ref`): request b attends to positions [max(0, len - window), len) with
  * window 0 meaning all; block-table entries are clamped into the pool; a request with len 0 gets zeros; rows past
- * a request's length (or its table's pages) are never read. Layout: q [B, H, D] and out [B, H, D] contiguous, in the cache's dtype; caches
- * [S, Kh, D] with a contiguous last dim and any row / head strides; D a multiple of 16, at most 256; at most 16
- * query heads per KV head (the Python side checks, and runs the reference otherwise).
+ * a request's length (or its table's pages) are never read. Layout: q [B, H, D] and out [B, H, D] contiguous, in
+ * the cache's dtype; caches [S, Kh, D] with a contiguous last dim and any row / head strides; D a multiple of 16,
+ * at most 256; at most 16 query heads per KV head (the Python side checks, and runs the reference otherwise).
+ * Returns 0, or 1 when a buffer could not be allocated.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -28,8 +30,8 @@
 #define BLOCK 16      /* positions per online-softmax step: one zmm of scores */
 #define MAX_GROUP 16  /* query heads per KV head */
 #define MAX_DIM 256
-#define MIN_SPLIT 256 /* positions per split at least: a split's fixed cost (its partials, the merge) stays small */
-#define MAX_SPLITS 8
+#define MIN_SPLIT 128 /* positions per split at least: a split's fixed cost (its partials, the merge) stays small */
+#define MAX_SPLITS 16
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define INLINE static inline __attribute__((always_inline))
@@ -91,58 +93,46 @@ INLINE TARGET_F32 __m512 sum16(const __m512 *x) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xdd));
 }
 
-/* Positions [lo, hi) of one request and KV head for its `group` query heads (q rows `q`, `D` apart): the running
- * max `m`, sum `l` and unnormalised output `acc` [group][D] of the online softmax. `rows` maps a position to its
- * pool row. T is the cache element type, PARTIAL its dot product's lane partials, LOAD its 16-value widening load.
- * Per block of 16 positions: the scores of each head as one vector, then for each 16 columns of D the block's
- * values widened once (in registers) and added into each head's accumulator (loaded and stored once). */
-#define DEFINE_SPAN(NAME, TGT, T, PARTIAL, LOAD)                                                                  \
+/* One block of n <= 16 positions (pool rows `rows`) of one request and KV head, for its `group` query heads (q rows
+ * `q`, `D` apart): updates the running max `m`, sum `l` and unnormalised output `acc` [group][D] of the online
+ * softmax. T is the cache element type, PARTIAL its dot product's lane partials, LOAD its 16-value widening load.
+ * The scores of each head come out as one vector; then for each 16 columns of D the block's values are widened
+ * once (in registers) and added into each head's accumulator (loaded and stored once). */
+#define DEFINE_BLOCK(NAME, TGT, T, PARTIAL, LOAD)                                                                 \
     INLINE TGT void NAME(const T *q, long group, long D, const T *k, const T *v, long k_s0, long v_s0,            \
-                         const int32_t *table, long num_pages, long page_size, long lo, long hi, float scale,     \
-                         float *m, float *l, float *acc) {                                                        \
-        for (long g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.0f;                                           \
-        memset(acc, 0, sizeof(float) * group * D);                                                                \
-        for (long t0 = lo; t0 < hi; t0 += BLOCK) {                                                                \
-            long n = hi - t0 < BLOCK ? hi - t0 : BLOCK;                                                           \
-            long rows[BLOCK];                                                                                     \
-            for (long j = 0; j < n; j++) {                                                                        \
-                long pos = t0 + j, page = table[pos / page_size];                                                 \
-                page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;                                   \
-                rows[j] = page * page_size + pos % page_size;                                                     \
-            }                                                                                                     \
-            __mmask16 keep = (__mmask16)((1u << n) - 1);                                                          \
-            float p[MAX_GROUP][BLOCK];                                                                            \
+                         const long *rows, long n, float scale, float *m, float *l, float *acc) {                 \
+        __mmask16 keep = (__mmask16)((1u << n) - 1);                                                              \
+        float p[MAX_GROUP][BLOCK];                                                                                \
+        for (long g = 0; g < group; g++) {                                                                        \
+            __m512 parts[BLOCK];                                                                                  \
+            for (long j = 0; j < BLOCK; j++)                                                                      \
+                parts[j] = j < n ? PARTIAL(q + g * D, k + rows[j] * k_s0, D) : _mm512_setzero_ps();               \
+            __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,                                       \
+                                           _mm512_mul_ps(sum16(parts), _mm512_set1_ps(scale)));                   \
+            float m_new = fmaxf(m[g], _mm512_reduce_max_ps(sv));                                                  \
+            float alpha = expf(m[g] - m_new); /* m = -inf on the first block: alpha 0 */                          \
+            __m512 pv = exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)), keep);                                   \
+            _mm512_storeu_ps(p[g], pv);                                                                           \
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);                                                       \
+            m[g] = m_new;                                                                                         \
+            if (alpha != 1.0f)                                                                                    \
+                for (long d = 0; d < D; d += 16)                                                                  \
+                    _mm512_storeu_ps(acc + g * D + d,                                                             \
+                                     _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), _mm512_set1_ps(alpha)));     \
+        }                                                                                                         \
+        for (long d = 0; d < D; d += 16) {                                                                        \
+            __m512 vv[BLOCK];                                                                                     \
+            for (long j = 0; j < BLOCK; j++) vv[j] = j < n ? LOAD(v + rows[j] * v_s0 + d) : _mm512_setzero_ps();  \
             for (long g = 0; g < group; g++) {                                                                    \
-                __m512 parts[BLOCK];                                                                              \
-                for (long j = 0; j < BLOCK; j++)                                                                  \
-                    parts[j] = j < n ? PARTIAL(q + g * D, k + rows[j] * k_s0, D) : _mm512_setzero_ps();           \
-                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,                                   \
-                                               _mm512_mul_ps(sum16(parts), _mm512_set1_ps(scale)));               \
-                float m_new = fmaxf(m[g], _mm512_reduce_max_ps(sv));                                              \
-                float alpha = expf(m[g] - m_new); /* m = -inf on the first block: alpha 0 */                      \
-                __m512 pv = exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)), keep);                               \
-                _mm512_storeu_ps(p[g], pv);                                                                       \
-                l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);                                                   \
-                m[g] = m_new;                                                                                     \
-                if (alpha != 1.0f)                                                                                \
-                    for (long d = 0; d < D; d += 16)                                                              \
-                        _mm512_storeu_ps(acc + g * D + d,                                                         \
-                                         _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), _mm512_set1_ps(alpha))); \
-            }                                                                                                     \
-            for (long d = 0; d < D; d += 16) {                                                                    \
-                __m512 vv[BLOCK];                                                                                 \
-                for (long j = 0; j < BLOCK; j++) vv[j] = j < n ? LOAD(v + rows[j] * v_s0 + d) : _mm512_setzero_ps(); \
-                for (long g = 0; g < group; g++) {                                                                \
-                    __m512 sum = _mm512_loadu_ps(acc + g * D + d);                                                \
-                    for (long j = 0; j < BLOCK; j++) sum = _mm512_fmadd_ps(_mm512_set1_ps(p[g][j]), vv[j], sum);  \
-                    _mm512_storeu_ps(acc + g * D + d, sum);                                                       \
-                }                                                                                                 \
+                __m512 sum = _mm512_loadu_ps(acc + g * D + d);                                                    \
+                for (long j = 0; j < BLOCK; j++) sum = _mm512_fmadd_ps(_mm512_set1_ps(p[g][j]), vv[j], sum);      \
+                _mm512_storeu_ps(acc + g * D + d, sum);                                                           \
             }                                                                                                     \
         }                                                                                                         \
     }
 
-DEFINE_SPAN(span_f32, TARGET_F32, float, partial_f32, load16_f32)
-DEFINE_SPAN(span_bf16, TARGET, uint16_t, partial_bf16, load16_bf16)
+DEFINE_BLOCK(block_f32, TARGET_F32, float, partial_f32, load16_f32)
+DEFINE_BLOCK(block_bf16, TARGET, uint16_t, partial_bf16, load16_bf16)
 
 /* an output value in the cache's dtype: bf16 rounds to nearest even, as torch's conversion does */
 INLINE float store_f32(float x) { return x; }
@@ -153,40 +143,81 @@ INLINE uint16_t store_bf16(float x) {
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-/* splits per (request, KV head): only long contexts with few (request, head) pairs are split */
-static long num_splits(long pairs, long max_len) {
-    if (pairs >= 16) return 1;
+/* pool rows of positions [t0, t0 + n) of one request (table entries clamped into the pool) */
+static void pool_rows_of(const int32_t *table, long num_pages, long page_size, long t0, long n, long *rows) {
+    for (long j = 0; j < n; j++) {
+        long pos = t0 + j, page = table[pos / page_size];
+        page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;
+        rows[j] = page * page_size + pos % page_size;
+    }
+}
+
+/* splits per request: only a few requests with long contexts are split (at least MIN_SPLIT positions each) */
+static long num_splits(long batch, long max_len) {
+    if (batch >= 16) return 1;
     long splits = max_len / MIN_SPLIT;
     return splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
 }
 
-/* One exported entry per cache dtype. Partials of split s of (b, head h) sit at index (b * H + h) * splits + s. */
-#define DEFINE_DECODE(NAME, TGT, T, SPAN, STORE)                                                                          \
+/* One exported entry per cache dtype. An item is (request b, split s) over all KV heads: block by block, every
+ * head's rows of a position (adjacent in the pool) are read together, and the next block's rows are prefetched.
+ * Partials of split s of (b, head h) sit at index (b * H + h) * splits + s. */
+#define DEFINE_DECODE(NAME, TGT, T, BLOCK_FN, STORE)                                                              \
     TGT int NAME(const T *q, long B, long H, long D, const T *k, const T *v, long Kh, long k_s0, long k_s1,        \
-                 long v_s0, long v_s1, long pool_rows, const int32_t *table, long table_s0, long width, const int32_t *lens, \
-                 long page_size, float scale, long window, T *out, int threads) {                             \
-        long group = H / Kh, num_pages = pool_rows / page_size, max_len = 0;                                      \
+                 long v_s0, long v_s1, long pool_rows, const int32_t *table, long table_s0, long width,           \
+                 const int32_t *lens, long page_size, float scale, long window, T *out, int threads) {            \
+        long group = H / Kh, num_pages = pool_rows / page_size, max_len = 0, failed = 0;                          \
         for (long b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;                             \
-        long splits = num_splits(B * Kh, max_len), items = B * Kh * splits;                                       \
+        long splits = num_splits(B, max_len), items = B * splits;                                                 \
         float *part_m = malloc(sizeof(float) * B * H * splits * (D + 2));                                         \
         if (!part_m) return 1;                                                                                    \
         float *part_l = part_m + B * H * splits, *part_acc = part_l + B * H * splits;                             \
-        _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                                        \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(threads) reduction(|| : failed)")                 \
         for (long item = 0; item < items; item++) {                                                               \
-            long b = item / (Kh * splits), kh = item / splits % Kh, s = item % splits;                            \
+            long b = item / splits, s = item % splits;                                                            \
             long len = lens[b] < 0 ? 0 : lens[b];                                                                 \
             long start = window > 0 && len > window ? len - window : 0;                                           \
             long end = len < width * page_size ? len : width * page_size; /* the table's pages hold no more */   \
             long chunk = end > start ? (end - start + splits - 1) / splits : 0;                                   \
             long lo = start + s * chunk, hi = lo + chunk < end ? lo + chunk : end;                                \
-            float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP * MAX_DIM];                                           \
-            SPAN(q + (b * H + kh * group) * D, group, D, k + kh * k_s1, v + kh * v_s1, k_s0, v_s0,                \
-                 table + b * table_s0, num_pages, page_size, lo, lo < hi ? hi : lo, scale, m, l, acc);            \
-            for (long g = 0; g < group; g++) {                                                                    \
-                long at = (b * H + kh * group + g) * splits + s;                                                  \
-                part_m[at] = m[g], part_l[at] = l[g];                                                             \
-                memcpy(part_acc + at * D, acc + g * D, sizeof(float) * D);                                        \
+            float *state = malloc(sizeof(float) * H * (D + 2)); /* m [H], l [H], acc [H][D] */                    \
+            if (!state) {                                                                                         \
+                failed = 1;                                                                                       \
+                continue;                                                                                         \
             }                                                                                                     \
+            float *m = state, *l = m + H, *acc = l + H;                                                           \
+            for (long h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;                                           \
+            memset(acc, 0, sizeof(float) * H * D);                                                                \
+            const int32_t *pages = table + b * table_s0;                                                          \
+            long rows[BLOCK], next[BLOCK];                                                                        \
+            if (lo < hi) pool_rows_of(pages, num_pages, page_size, lo, hi - lo < BLOCK ? hi - lo : BLOCK, rows);  \
+            for (long t0 = lo; t0 < hi; t0 += BLOCK) {                                                            \
+                long n = hi - t0 < BLOCK ? hi - t0 : BLOCK, t1 = t0 + BLOCK;                                      \
+                long n1 = hi - t1 < BLOCK ? hi - t1 : BLOCK;                                                      \
+                if (n1 > 0) { /* the next block's rows, prefetched while this one computes */                     \
+                    pool_rows_of(pages, num_pages, page_size, t1, n1, next);                                      \
+                    for (long j = 0; j < n1; j++)                                                                 \
+                        for (long h = 0; h < Kh; h++)                                                             \
+                            for (long d = 0; d < D; d += 64 / (long)sizeof(T)) {                                  \
+                                _mm_prefetch((const char *)(k + next[j] * k_s0 + h * k_s1 + d), _MM_HINT_T0);     \
+                                _mm_prefetch((const char *)(v + next[j] * v_s0 + h * v_s1 + d), _MM_HINT_T0);     \
+                            }                                                                                     \
+                }                                                                                                 \
+                for (long h = 0; h < Kh; h++)                                                                     \
+                    BLOCK_FN(q + (b * H + h * group) * D, group, D, k + h * k_s1, v + h * v_s1, k_s0, v_s0, rows, \
+                             n, scale, m + h * group, l + h * group, acc + h * group * D);                        \
+                memcpy(rows, next, sizeof rows);                                                                  \
+            }                                                                                                     \
+            for (long h = 0; h < H; h++) {                                                                        \
+                long at = (b * H + h) * splits + s;                                                               \
+                part_m[at] = m[h], part_l[at] = l[h];                                                             \
+                memcpy(part_acc + at * D, acc + h * D, sizeof(float) * D);                                        \
+            }                                                                                                     \
+            free(state);                                                                                          \
+        }                                                                                                         \
+        if (failed) {                                                                                             \
+            free(part_m);                                                                                         \
+            return 1;                                                                                             \
         }                                                                                                         \
         for (long bh = 0; bh < B * H; bh++) { /* merge the splits; all empty (len 0): zeros */                    \
             float top = -INFINITY, total = 0.0f, o[MAX_DIM] = {0};                                                \
@@ -203,5 +234,5 @@ static long num_splits(long pairs, long max_len) {
         return 0;                                                                                                 \
     }
 
-DEFINE_DECODE(astrai_decode_attention_f32, TARGET_F32, float, span_f32, store_f32)
-DEFINE_DECODE(astrai_decode_attention_bf16, TARGET, uint16_t, span_bf16, store_bf16)
+DEFINE_DECODE(astrai_decode_attention_f32, TARGET_F32, float, block_f32, store_f32)
+DEFINE_DECODE(astrai_decode_attention_bf16, TARGET, uint16_t, block_bf16, store_bf16)
