@@ -3,7 +3,8 @@
  * The plain-torch path (triton_kernels/decode_attention.py, `decode_attention_ref`) gathers every request's pages
  * into a padded fp32 copy of its keys and values, builds a mask and calls SDPA: three passes over the context in
  * fp32 for a product that needs one pass over the cache in its own dtype. At 1024 tokens of context it took
- * ~0.1 ms a layer on the 2-core development box, more than the layer's weights take to stream. This kernel reads
+ * 0.3-0.4 ms a layer compiled (bf16, one request) on the 2-core development box, about what the layer's weights
+ * take to stream; this kernel took ~0.1 ms (docs/benchmarks.md, "CPU decode attention kernel"). It reads
  * each key and value row once, where it lies in the pool, in the cache's dtype.
  *
  * Work: one item per (request, split of its context), over all its KV heads: block by block (16 positions), the

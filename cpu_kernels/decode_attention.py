@@ -3,7 +3,7 @@
 Why a hand-written kernel: the plain-torch CPU path (`triton_kernels.decode_attention.decode_attention_ref`)
 gathers each request's pages into a padded fp32 copy, masks it and calls SDPA, three fp32 passes over the
 context per layer. `decode_attention.c` reads every key and value row once where it lies in the pool, in the
-cache's dtype (bf16 pairs by `vdpbf16ps`), with flash-attention's online softmax; long contexts with few heads are
+cache's dtype (bf16 pairs by `vdpbf16ps`), with flash-attention's online softmax; long contexts of few requests are
 split and merged by their log-sum-exp. Measured on the 2-core development box: docs/benchmarks.md ("CPU decode
 attention kernel").
 
@@ -99,6 +99,8 @@ def decode_attention(
     reason = unavailable_reason(q, k_cache, v_cache)
     if reason is not None:
         raise ValueError(f"cpu decode_attention cannot run here: {reason}")
+    if block_table.device.type != "cpu" or seq_lens.device.type != "cpu":
+        raise ValueError(f"block_table and seq_lens must be on the CPU, got {block_table.device} / {seq_lens.device}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.dim() != 2:
         raise ValueError(f"block_table [B, P] and seq_lens [B] must be int32, got {block_table.dtype} "
                          f"{tuple(block_table.shape)} and {seq_lens.dtype}")  # fmt: skip

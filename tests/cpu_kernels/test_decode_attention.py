@@ -128,6 +128,12 @@ def test_strided_caches_and_unsupported_shapes():
             cpu_attention.decode_attention(bad_q, bad_k, bad_k, table, lens, page_size=16, scale=0.125)
     with pytest.raises(ValueError, match="int32"):
         cpu_attention.decode_attention(q, k, v, table.long(), lens, page_size=16, scale=0.125)
+    with pytest.raises(ValueError, match="must be on the CPU"):
+        cpu_attention.decode_attention(q, k, v, table.to("meta"), lens, page_size=16, scale=0.125)
+    with pytest.raises(ValueError, match="page size 0"):
+        cpu_attention.decode_attention(q, k, v, table, lens, page_size=0, scale=0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_attention.decode_attention(q, k, v, table, lens[:1], page_size=16, scale=0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
