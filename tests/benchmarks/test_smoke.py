@@ -28,7 +28,8 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
     [
         "bench_attention.py",
         "bench_rotary.py",
-        "bench_forward.py",
+        pytest.param("bench_forward.py", marks=pytest.mark.slow),  # ~22 s: transformers and astrai, eager and
+        # compiled; bench_matvec's and bench_cpu_attention's smokes run its model builder and bandwidth probe
         "bench_engine.py",
         "bench_host.py",
         "bench_tp.py",
