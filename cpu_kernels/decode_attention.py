@@ -29,8 +29,7 @@ __all__ = ["decode_attention", "supports", "unavailable_reason"]
 _FUNCTIONS = {torch.float32: "astrai_decode_attention_f32", torch.bfloat16: "astrai_decode_attention_bf16"}
 _L, _P = ctypes.c_long, ctypes.c_void_p
 # q, B, H, D, k, v, Kh, k strides (rows, heads), v strides, pool rows, table, its row stride and width, lens,
-# page size,
-# scale, window, out, threads
+# page size, scale, window, out, threads
 _ARGUMENTS = (_P, _L, _L, _L, _P, _P, _L, _L, _L, _L, _L, _L, _P, _L, _L, _P, _L, ctypes.c_float, _L, _P,
               ctypes.c_int)  # fmt: skip
 _MAX_GROUP, _MAX_DIM = 16, 256  # decode_attention.c's MAX_GROUP and MAX_DIM
