@@ -8,6 +8,9 @@ process and interleaved round by round:
 - `kernel`: `astrai.cpu_kernels.decode_attention`.
 GB/s = the K/V bytes the request's context holds / the median time (min-max in the JSON).
 
+`--mixed ROWS CONTEXT NEW` adds an eager mixed step (the engine's CPU prefill path) with the kernels on and off:
+ROWS decoding requests of CONTEXT tokens beside a NEW-token prompt; the decoding rows take one kernel call per layer.
+
 `--step-contexts C ...` adds what users get: bench_forward's batch-1 path (`torch.compile`d `decode_step`, greedy,
 20 timed tokens after a C-token context) with the CPU kernels on and off: two graphs in one fresh process per
 dtype and context, the second traced with the kernel library marked unavailable, timed in alternation for
@@ -17,8 +20,8 @@ context's K/V bytes per token against the read bandwidth (best of 10 sums of 1 G
 the weights only, as bench_forward does.
 
 Usage: python benchmarks/bench_cpu_attention.py [--dtypes bfloat16 float32] [--contexts 128 512 2048]
-[--batch 1 8] [--step-contexts 512 2048 --rounds 6]. `--smoke` in seconds. Prints rich tables, then the JSON
-report as the last stdout line.
+[--batch 1 8] [--step-contexts 512 2048 --rounds 6] [--mixed 64 256 16]. `--smoke` in seconds. Prints rich tables,
+then the JSON report as the last stdout line.
 """
 
 from __future__ import annotations
@@ -174,6 +177,44 @@ def run_steps(args, bandwidth: float) -> list[dict]:
     return out
 
 
+def run_mixed(args) -> list[dict]:
+    """`--mixed ROWS CONTEXT NEW`: one eager mixed step (the engine's CPU prefill path: ROWS decoding requests of
+    CONTEXT tokens beside one NEW-token prompt), kernels on and off, alternating for `--rounds` rounds. With the
+    kernels on, the decoding rows take one kernel call per layer; off, the reference gathers their pages."""
+    from astrai.cpu_kernels import library
+    from astrai.inference.cache import init_kv_cache, make_attn_meta
+    from astrai.inference.step import prefill_step
+    from astrai.ops.attention import pages_needed
+
+    rows, context, new = args.mixed
+    out, loaded = [], library.load()
+    for dtype_name in args.dtypes:
+        _, model = build(args.config, getattr(torch, dtype_name), Path(tempfile.mkdtemp(prefix="bench_cpu_attn_")))
+        per, own = pages_needed(context + 1, PAGE), pages_needed(new, PAGE)
+        pages = [list(range(1 + r * per, 1 + (r + 1) * per)) for r in range(rows)]
+        pages.append(list(range(1 + rows * per, 1 + rows * per + own)))
+        cache = init_kv_cache(model.config, rows * per + own + 1, PAGE, dtype=model.dtype, device="cpu")
+        meta = make_attn_meta(pages, [context] * rows + [0], [1] * rows + [new], page_size=PAGE, device="cpu")
+        tokens, last = torch.randint(0, model.config.vocab_size, (rows + new,)), torch.arange(rows + 1)
+        step = functools.partial(prefill_step, model.params, tokens, meta, cache, last, cfg=model.config)
+        kept, runs, logits = loaded.reason, {"on": [], "off": []}, {}
+        for round_ in range(args.rounds + 1):  # round 0 warms up
+            for switch in ("on", "off"):
+                loaded.reason = kept if switch == "on" else "switched off for the reference"
+                start = time.perf_counter()
+                logits[switch] = step()
+                if round_:
+                    runs[switch].append((time.perf_counter() - start) * 1e3)
+        loaded.reason = kept
+        on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
+        diff = (logits["on"].float() - logits["off"].float()).abs().max().item()
+        out.append({"dtype": dtype_name, "rows": rows, "context": context, "new": new, "on_ms": on, "off_ms": off,
+                    "speedup": off / on, "on_runs_ms": runs["on"], "off_runs_ms": runs["off"],
+                    "max_logit_diff": diff})  # fmt: skip
+        console.print(f"[dim]{dtype_name} mixed step: {on:.0f} ms on, {off:.0f} off")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="smollm2-135m", choices=sorted(NAMED))
@@ -185,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny config, fp32, one shape (seconds)")
     parser.add_argument("--step-contexts", type=int, nargs="*", default=[], help="decode steps, kernels on vs off")
     parser.add_argument("--rounds", type=int, default=6, help="alternating on/off rounds per --step-contexts entry")
+    parser.add_argument("--mixed", type=int, nargs=3, metavar=("ROWS", "CONTEXT", "NEW"),
+                        help="an eager mixed step, kernels on vs off (e.g. 64 256 16)")  # fmt: skip
     parser.add_argument("--step-worker", nargs=2, metavar=("DTYPE", "CONTEXT"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -194,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.config, args.dtypes, args.contexts, args.batch, args.repeats = "tiny", ["float32"], [300], [2], 3
+        args.mixed, args.rounds = args.mixed or [3, 40, 8], 1
     report = run(args)
     report["read_bandwidth_gbs"] = bandwidth = memory_bandwidth_gbs(256 if args.smoke else 1024)
     cols = [("dtype", ""), ("batch", ""), ("context", "")] + [(f"{n}_us", ".0f") for n in PROVIDERS] + [
@@ -207,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                             report["steps"], [("dtype", ""), ("context", ""), ("on_ms", ".1f"), ("off_ms", ".1f"),
                             ("speedup", ".2f"), ("on_tok_s", ".1f"), ("roofline_on", ".0%"),
                             ("roofline_off", ".0%"), ("weights_roofline_on", ".0%")]))  # fmt: skip
+    if args.mixed:
+        report["mixed"] = run_mixed(args)
+        console.print(table(f"eager mixed step of {report['config']}, ms, CPU kernels on vs off (median of "
+                            f"{args.rounds} alternating rounds)", report["mixed"], [("dtype", ""), ("rows", ""),
+                            ("context", ""), ("new", ""), ("on_ms", ".0f"), ("off_ms", ".0f"), ("speedup", ".2f"),
+                            ("max_logit_diff", ".1e")]))  # fmt: skip
     emit(report, args.out)
     return 0
 

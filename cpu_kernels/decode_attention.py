@@ -68,7 +68,7 @@ def _library_reason(dtype: torch.dtype) -> str | None:
     return reason
 
 
-@torch.compiler.assume_constant_result
+@library.constant_when_compiled
 def _runs(dtype: torch.dtype) -> bool:
     """Whether the library runs `dtype` here: a constant to `torch.compile` (building it is not traced)."""
     return _library_reason(dtype) is None

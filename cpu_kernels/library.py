@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "load"]
+__all__ = ["AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "constant_when_compiled", "load"]
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -138,6 +138,15 @@ def load() -> Library:
                 except (OSError, AttributeError, subprocess.SubprocessError) as error:
                     _LIBRARY = Library(reason=f"could not build the kernel: {error}")
     return _LIBRARY
+
+
+def constant_when_compiled(fn: Any) -> Any:
+    """`torch.compiler.assume_constant_result` without importing Dynamo: `torch.compile` calls `fn` once while
+    tracing and keeps its result as a constant. The public decorator imports `torch._dynamo` (~1.5 s on 2 cores)
+    just to set this marker; the kernel modules are imported with `astrai`, and most processes (the CLI, rank
+    workers, eager runs) never compile. `tests/cpu_kernels` checks the marker is the public decorator's."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def bind(functions: dict[torch.dtype, str], argtypes: Sequence[Any], restype: Any) -> dict[torch.dtype, Any]:

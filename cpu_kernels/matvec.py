@@ -57,7 +57,7 @@ def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@library.constant_when_compiled
 def supports(dtype: torch.dtype) -> bool:
     """Whether `matvec` runs the kernel for `dtype` here. A constant to `torch.compile`, which calls it once
     while tracing (so the first compiled trace builds the library)."""

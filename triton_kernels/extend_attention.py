@@ -33,6 +33,7 @@ ALiBi, soft-capping, sinks, FP8 KV. Rows of `q` outside `cu_seqlens_q[0] : cu_se
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -222,7 +223,7 @@ def extend_attention_ref(
     if torch.compiler.is_compiling():
         return _extend_ref_op(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size=page_size,
                               scale=scale, window=window)  # fmt: skip
-    return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
+    return extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
 
 
 @torch.library.custom_op("astrai::extend_attention_ref", mutates_args=())
@@ -231,7 +232,7 @@ def _extend_ref_op(
     page_size: int, scale: float, window: int = 0,
 ) -> Tensor:  # fmt: skip
     """`extend_attention_ref` as an op that compiled graphs call without tracing into it."""
-    return _extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
+    return extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
 
 
 @_extend_ref_op.register_fake
@@ -239,12 +240,13 @@ def _(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, page_size, sc
     return q.new_empty(q.shape)
 
 
-def _extend_per_request(
+def extend_per_request(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor,
-    page_size: int, scale: float, window: int,
+    page_size: int, scale: float, window: int, decode_rows: Callable[..., Tensor] = decode_attention_ref,
 ) -> Tensor:  # fmt: skip
     """The eager branch of `extend_attention_ref`: one SDPA per request over its own keys only, except that the
-    one-token requests (the decoding rows of a mixed step) go through one batched call of the decode reference:
+    one-token requests (the decoding rows of a mixed step) go through one batched call of `decode_rows` (the
+    arguments of `decode_attention_ref`, which is the default; `astrai.ops.attention` passes the CPU kernel):
     a per-request loop costs ~15 small ops per request and layer, which dominated CPU mixed steps (64 decoding
     rows + a 16-token prompt: 640 ms, 400,000 aten ops)."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # rows owned by no request stay zero
@@ -254,8 +256,8 @@ def _extend_per_request(
         idx = torch.tensor(single, device=q.device)
         rows = cu_seqlens_q[idx].long()
         width = triton.cdiv(max(lens[b] for b in single), page_size)
-        one = decode_attention_ref(q[rows], k_cache, v_cache, block_table[idx, :width], seq_lens[idx],
-                                   page_size=page_size, scale=scale, window=window)  # fmt: skip
+        one = decode_rows(q[rows], k_cache, v_cache, block_table[idx, :width], seq_lens[idx], page_size=page_size,
+                          scale=scale, window=window)  # fmt: skip
         out[rows] = one.float()
     batched = set(single) if len(single) > 1 else set()
     for b, length in enumerate(lens):

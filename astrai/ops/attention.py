@@ -6,7 +6,8 @@ Dense attention always runs torch SDPA (flash/efficient kernels on CUDA). Paged 
 `astrai.ops.backend`: Triton kernels on CUDA, their plain-torch references (`triton_kernels.<op>.<op>_ref`,
 vectorised and compile-friendly) on CPU, or the CUDA references. CPU decode takes the hand-written kernel
 `astrai.cpu_kernels.decode_attention` where it runs (AVX-512; fp32 or bf16): it reads the pages in place, where
-the reference gathers them into a padded fp32 copy for SDPA. `pages_needed` is the one page round-up.
+the reference gathers them into a padded fp32 copy for SDPA; CPU prefill and mixed steps run the extend
+reference's loop with the kernel for their decoding rows. `pages_needed` is the one page round-up.
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ def paged_attention(
         if torch.compiler.is_compiling():
             return torch.ops.astrai.cpu_decode_attention(*args)
         return cpu_attention.decode_attention(*args[:5], page_size=meta.page_size, scale=scale, window=window)
+    if backend == "torch" and cpu_attention.supports(q, k_cache, v_cache):
+        # CPU prefill and mixed steps: the reference's loop, whose batched call for the decoding rows runs the kernel
+        args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, meta.page_size, scale, window)
+        return torch.ops.astrai.cpu_extend_attention(*args) if torch.compiler.is_compiling() else _cpu_extend(*args)
     impl = _paged_impl(meta.decode, backend)
     if meta.decode:
         args = (q, k_cache, v_cache, meta.block_table, meta.seq_lens)
@@ -165,3 +170,31 @@ def _paged_impl(decode: bool, backend: Backend) -> Callable[..., Tensor]:
     from astrai.triton_kernels import extend_attention as kernel
 
     return kernel.extend_attention if backend == "triton" else kernel.extend_attention_ref
+
+
+def _cpu_extend(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor,
+    page_size: int, scale: float, window: int,
+) -> Tensor:  # fmt: skip
+    """`extend_attention_ref` with the decoding rows of a mixed step in one call of the CPU decode kernel: the
+    reference gathers their pages into a padded fp32 copy (~80 ms of a 320 ms step with 64 decoding rows and a
+    16-token prompt, docs/benchmarks.md). Prefilling requests keep the reference's per-request SDPA."""
+    from astrai.triton_kernels.extend_attention import extend_per_request
+
+    return extend_per_request(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window,
+                              decode_rows=cpu_attention.decode_attention)  # fmt: skip
+
+
+@torch.library.custom_op("astrai::cpu_extend_attention", mutates_args=())
+def _cpu_extend_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_table: Tensor,
+    page_size: int, scale: float, window: int,
+) -> Tensor:  # fmt: skip
+    """`_cpu_extend` as an opaque op of compiled CPU prefill steps (it reads the lengths on the host, as
+    `astrai::extend_attention_ref` does)."""
+    return _cpu_extend(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window)
+
+
+@_cpu_extend_op.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, page_size, scale, window):
+    return q.new_empty(q.shape)

@@ -64,6 +64,8 @@ def test_smoke_mode_reports_json(script, tmp_path):
     elif report.get("benchmark") == "bench_cpu_attention":  # every provider measured and agreeing (asserted inside)
         assert all(r[f"{k}_us"] > 0 for r in report["results"] for k in ("ref_eager", "ref_compiled"))
         assert report["read_bandwidth_gbs"] > 0
+        (mixed,) = report["mixed"]  # the eager mixed step ran both ways and agreed
+        assert mixed["on_ms"] > 0 and mixed["off_ms"] > 0 and mixed["max_logit_diff"] < 1e-4
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm

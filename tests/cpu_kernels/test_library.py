@@ -1,0 +1,57 @@
+"""`cpu_kernels.library` parts the kernel tests do not reach: the compile-time constant marker, and that importing
+astrai does not import Dynamo for it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from astrai.cpu_kernels import library
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_constant_marker_is_the_public_decorators():
+    def public() -> int:
+        return 1
+
+    def ours() -> int:
+        return 1
+
+    torch.compiler.assume_constant_result(public)
+    library.constant_when_compiled(ours)
+    assert vars(ours) == vars(public) and vars(ours)  # a torch change to the marker fails here
+
+
+def test_a_marked_function_runs_once_while_tracing():
+    calls: list[int] = []
+
+    def counted() -> int:
+        calls.append(1)
+        return 3
+
+    def step(x: torch.Tensor, probe) -> torch.Tensor:
+        return x * probe()
+
+    # negative control: unmarked, Dynamo replays the function's side effect on every call of the compiled step
+    unmarked = torch.compile(lambda x: step(x, counted), fullgraph=True, backend="eager")
+    for _ in range(3):
+        assert unmarked(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert len(calls) == 3
+
+    calls.clear()
+    marked_fn = library.constant_when_compiled(lambda: counted())
+    marked = torch.compile(lambda x: step(x, marked_fn), fullgraph=True, backend="eager")
+    for _ in range(3):
+        assert marked(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert len(calls) == 1  # called once, while tracing; the graph keeps the result
+
+
+def test_importing_astrai_leaves_dynamo_unimported():
+    """The kernel modules load with `astrai`; Dynamo (~1.5 s) is imported only by what compiles."""
+    code = "import sys, astrai; print('torch._dynamo' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
