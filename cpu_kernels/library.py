@@ -2,7 +2,8 @@
 
 The sources are compiled on first use with the C compiler the machine already has for `torch.compile`'s CPU
 code (`$CC`, else `cc`, `gcc` or `clang`), into `$XDG_CACHE_HOME/astrai/cpu_kernels` (else
-`~/.cache/astrai/cpu_kernels`), one file per set of sources and compiler, in about a second. The library links
+`~/.cache/astrai/cpu_kernels`), one file per set of sources and compiler, in about a second; a build removes the
+files of other sources untouched for a week. The library links
 the process's own libgomp (torch's); the kernels take their thread count from the caller.
 
 `load()` returns the library with the CPU's features, or why there is none: `ASTRAI_CPU_KERNELS=0`, not x86-64,
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,7 +90,24 @@ def _build(compiler: list[str], *, fresh: bool = False) -> Path:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+    _remove_stale(target)
     return target
+
+
+STALE_AFTER_S = 7 * 24 * 3600
+
+
+def _remove_stale(kept: Path) -> None:
+    """Delete the libraries of other sources or compilers (one per source version, left by upgrades) untouched for
+    `STALE_AFTER_S`. A younger one may belong to another checkout that shares the cache; a process that has one
+    loaded keeps its mapping, and one that needs it again rebuilds it in a second or two."""
+    cutoff = time.time() - STALE_AFTER_S
+    for old in kept.parent.glob("kernels-*.so"):
+        try:
+            if old != kept and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # removed by another process meanwhile, or not ours to remove
+            pass
 
 
 def _open(compiler: list[str], entries: tuple[str, ...]) -> ctypes.CDLL:

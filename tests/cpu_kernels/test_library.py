@@ -1,11 +1,12 @@
-"""`cpu_kernels.library` parts the kernel tests do not reach: the compile-time constant marker, and that importing
-astrai does not import Dynamo for it."""
+"""`cpu_kernels.library` parts the kernel tests do not reach: the compile-time constant marker, that importing
+astrai does not import Dynamo for it, and the removal of stale libraries from the cache."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from astrai.cpu_kernels import library
@@ -55,3 +56,21 @@ def test_importing_astrai_leaves_dynamo_unimported():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+def test_a_build_removes_week_old_libraries_of_other_sources(tmp_path, monkeypatch):
+    compiler = library._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = library.build_dir()
+    folder.mkdir(parents=True)
+    old, recent, other = folder / "kernels-0000000000000000.so", folder / "kernels-1111111111111111.so", folder / "x.so"
+    for path in (old, recent, other):
+        path.write_bytes(b"\x7fELF stale")
+    week = library.STALE_AFTER_S + 60
+    for path in (old, other):
+        os.utime(path, (path.stat().st_atime - week, path.stat().st_mtime - week))
+    built = library._build(compiler, fresh=True)
+    assert built.is_file() and built.stat().st_size > 20000
+    assert not old.exists() and recent.exists() and other.exists()  # only week-old libraries of this cache's pattern
