@@ -98,7 +98,8 @@ def test_pages_needed_rounds_up():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_decoding_rows_take_the_cpu_kernel(compiled, dtype):
+@pytest.mark.parametrize(("page_size", "window"), [(16, 0), (1, 5)])
+def test_mixed_step_decoding_rows_take_the_cpu_kernel(compiled, dtype, page_size, window):
     """A mixed step (prefilling requests and several one-token ones) equals the oracle, and its decoding rows ran in
     one call of the CPU decode kernel per step (the prefilling requests keep the reference's SDPA)."""
     from astrai.cpu_kernels import decode_attention as cpu_attention
@@ -107,19 +108,19 @@ def test_mixed_step_decoding_rows_take_the_cpu_kernel(compiled, dtype):
     if not cpu_attention.supports(*probe):
         pytest.skip(f"no CPU decode kernel here: {cpu_attention.unavailable_reason(*probe)}")
     lengths, new = [40, 9, 17, 6, 3], [1, 9, 1, 1, 3]  # three decoding rows, a fresh prompt, a prefix hit
-    k_cache, v_cache, table = _pool(lengths, 16, 2, 32, seed=3)
+    k_cache, v_cache, table = _pool(lengths, page_size, 2, 32, seed=3)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     q = torch.randn(sum(new) + 1, 8, 32).to(dtype)  # one padding row
-    meta = _meta(lengths, new, table, 16, decode=False)
+    meta = _meta(lengths, new, table, page_size, decode=False)
     kernels = cpu_attention._kernels()
     kernel, calls = kernels[dtype], []
     kernels[dtype] = lambda *args: calls.append(args[1]) or kernel(*args)  # args[1]: the batch
     try:
         fn = _compiled() if compiled else paged_attention
-        out = fn(q, k_cache, v_cache, meta, scale=32**-0.5)
+        out = fn(q, k_cache, v_cache, meta, scale=32**-0.5, window=window)
     finally:
         kernels[dtype] = kernel
     assert calls == [3]  # the three decoding rows, in one call
-    expected = _oracle(q.float(), k_cache.float(), v_cache.float(), lengths, new, table, 16, 32**-0.5, 0)
+    expected = _oracle(q.float(), k_cache.float(), v_cache.float(), lengths, new, table, page_size, 32**-0.5, window)
     assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert out[-1].eq(0).all() and out.dtype == dtype
