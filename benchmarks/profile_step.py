@@ -48,9 +48,9 @@ def build(name: str, dtype: torch.dtype, device: str) -> Model:
     """Random weights of a named config (`astrai.configs.models.NAMED`), loaded the way users load a folder."""
     cfg = NAMED[name]()
     model = Model(config=cfg, params=init_params(cfg, seed=0), tokenizer=None, eos_token_ids=())
-    folder = Path(tempfile.mkdtemp(prefix="profile_step_"))
-    save(model, folder)
-    return astrai.load(folder, dtype=dtype, device=device)
+    with tempfile.TemporaryDirectory(prefix="profile_step_") as folder:  # removed after loading (up to ~1 GB)
+        save(model, Path(folder))
+        return astrai.load(folder, dtype=dtype, device=device)
 
 
 def _sync(device: str) -> None:
