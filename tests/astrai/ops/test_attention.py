@@ -124,3 +124,12 @@ def test_mixed_step_decoding_rows_take_the_cpu_kernel(compiled, dtype, page_size
     expected = _oracle(q.float(), k_cache.float(), v_cache.float(), lengths, new, table, page_size, 32**-0.5, window)
     assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert out[-1].eq(0).all() and out.dtype == dtype
+
+
+def test_cpu_extend_op_passes_opcheck():
+    """The op's schema, fake (meta) implementation and dispatch agree with its real one (torch.library.opcheck)."""
+    lengths, new = [20, 6, 9], [1, 6, 1]
+    k_cache, v_cache, table = _pool(lengths, 4, 2, 32, seed=4)
+    meta = _meta(lengths, new, table, 4, decode=False)
+    args = (torch.randn(sum(new), 8, 32), k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, table, 4, 0.2, 0)
+    torch.library.opcheck(torch.ops.astrai.cpu_extend_attention.default, args)
