@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~15 s (two gloo ranks); tests/astrai/train/test_fsdp_block.py checks the same peaks in CI
 def test_smoke_reports_per_block_memory_below_the_whole_model(tmp_path):
     out = tmp_path / "out.json"
     proc = subprocess.run(

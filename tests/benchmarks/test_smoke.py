@@ -32,7 +32,8 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         # compiled; bench_matvec's and bench_cpu_attention's smokes run its model builder and bandwidth probe
         "bench_engine.py",
         "bench_host.py",
-        "bench_tp.py",
+        # ~11 s (two gloo ranks); tests/astrai/models/test_tp.py and inference/test_tp_engine.py check TP itself
+        pytest.param("bench_tp.py", marks=pytest.mark.slow),
         "bench_packed_linear.py",
         "bench_matvec.py",
         "bench_cpu_attention.py",
@@ -85,6 +86,7 @@ def test_serve_smoke_reports_json(tmp_path):
     assert report["client"] == "separate process" and all(r["output_tok_s"] > 0 for r in report["results"])
 
 
+@pytest.mark.slow  # ~11 s; in CI tests/astrai/serve (test_hostile_http, the APIs' disconnect tests) make these attacks
 def test_soak_smoke_reports_json(tmp_path):
     """bench_soak: streams, disconnects and bad requests mixed; 0 server errors and every KV page free after."""
     report = _smoke("bench_soak.py", tmp_path, timeout=300)
@@ -128,6 +130,7 @@ def test_throughput_smoke_reports_json(tmp_path):
     assert report["results"]["eager"]["astrai_over_this"]["median"] > 0
 
 
+@pytest.mark.slow  # ~24 s: compiles two engines; tests/astrai/models/test_quantize.py checks int8 compiled and eager
 def test_quant_smoke_reports_json(tmp_path):
     """bench_quant: fp32 and int8 (bf16 too outside smoke) ran through astrai.generate_ids; int8 reads a quarter
     of fp32's bytes.

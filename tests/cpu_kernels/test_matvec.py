@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from astrai.cpu_kernels import library
 from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.ops.linear import MAX_REDUCE_ROWS, linear, linears
 from helpers import assert_close
@@ -180,21 +181,25 @@ def test_without_a_kernel_the_op_falls_back_and_says_why(tmp_path, env, reason):
     assert not list((tmp_path / "astrai" / "cpu_kernels").glob("*.so"))  # no half-written library is left
 
 
-def test_a_damaged_cached_library_is_rebuilt(tmp_path):
-    """A truncated file, then a loadable library without the kernels' entry points, under the cache's name."""
+def test_a_damaged_cached_library_is_rebuilt(tmp_path, monkeypatch):
+    """A truncated file, then a loadable library without the kernels' entry points, under the cache's name: each is
+    rebuilt and loaded. In this process (`library._open`, what `load()` calls once per process): every damaged file
+    is a new one at a path this process has not mapped, as a fresh process would find it."""
     if "avx512f" not in _cpu_flags() or not cpu_matvec.supports(torch.float32):
         pytest.skip("no AVX-512 kernel here")
-    assert _fresh(tmp_path).stdout.strip() == "None"  # the first build
-    (built,) = (tmp_path / "astrai" / "cpu_kernels").glob("*.so")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = library._compiler()
+    built = library._build(compiler)  # the first build, not loaded here
     for content in (b"\x7fELF truncated", None):
-        if content is None:  # a loadable library without the kernel's entry points
-            source = tmp_path / "other.c"
+        if content is None:  # a loadable library without the kernel's entry points, under the cache's name
+            source, foreign = tmp_path / "other.c", tmp_path / "other.so"
             source.write_text("int unrelated(void) { return 1; }\n")
-            subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(built)], check=True, timeout=60)
+            subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(foreign)], check=True, timeout=60)
+            os.replace(foreign, built)
         else:
             built.write_bytes(content)
-        proc = _fresh(tmp_path)
-        assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr[-2000:]  # the kernel runs again
+        cdll = library._open(compiler, library.ENTRIES)
+        assert cdll.astrai_cpu_features() == library.load().features  # the kernels' library, loaded
         assert built.stat().st_size > 20000  # the real library again (the foreign one is ~15 kB)
 
 
