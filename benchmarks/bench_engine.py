@@ -14,6 +14,8 @@ Sections (one run, side by side):
   (d) TTFT and inter-token latency p50/p99 of the engine's streams in (b).
   (e) CUDA only: the engine's decode with and without CUDA graphs ((a) and (b) again with `cuda_graphs=False`).
   (f) `--overlap`: the engine with the overlap schedule on vs off, batch 1 and each N of (b), alternating.
+  (g) `--staggered`: the largest N of (b) arriving one every `--arrive-every` steps (mixed steps); on CPU the
+      decoding rows of those steps through the decode attention kernel vs the reference, alternating.
 The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
 docs/inference.md for why a background engine thread is slower on a 2-core CPU.
 Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds;
@@ -74,28 +76,41 @@ def hf_generate(hf, batch: list[list[int]], new: int, **extra) -> float:
     return time.perf_counter() - start
 
 
-def engine_run(engine: Engine, batch: list[list[int]], new: int, params: list[SamplingParams] | None = None) -> dict:
+def engine_run(engine: Engine, batch: list[list[int]], new: int, params: list[SamplingParams] | None = None,
+               arrive_every: int = 0) -> dict:  # fmt: skip
     """Submit all at once and step the engine on this thread; wall time, TTFT and inter-token latencies.
 
     Default: greedy, exactly `new` tokens each; `params` (one per prompt) replaces that, and tok_s then counts the
-    tokens actually generated (`completions` holds the results)."""
+    tokens actually generated (`completions` holds the results). `arrive_every` > 0 submits one prompt every that
+    many engine steps instead (staggered arrivals: steps that prefill a prompt while the others decode); TTFT then
+    counts from each request's own submission."""
     params = params or [SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)] * len(batch)
     ttft, itl, start = [], [], time.perf_counter()
-    handles = [engine.submit(p, q) for p, q in zip(batch, params, strict=True)]
+    queue, handles, submitted = list(zip(batch, params, strict=True)), [], []
     last: dict[int, float] = {}
-    while engine.step():
-        now = time.perf_counter()
+    steps = 0
+    while True:
+        while queue and (not arrive_every or steps % arrive_every == 0):
+            handles.append(engine.submit(*queue.pop(0)))
+            submitted.append(time.perf_counter())
+            if arrive_every:
+                break
+        busy = engine.step()
+        steps, now = steps + 1, time.perf_counter()
         for i, handle in enumerate(handles):
             for _ in handle.poll():
-                (ttft.append(now - start) if i not in last else itl.append(now - last[i]))
+                (ttft.append(now - submitted[i]) if i not in last else itl.append(now - last[i]))
                 last[i] = now
+        if not busy and not queue:
+            break
     for handle in handles:
         handle.poll()
         assert handle.completion is not None
     wall = time.perf_counter() - start
     completions = [h.completion for h in handles]
     tokens = sum(len(o.token_ids) for c in completions for o in c.outputs)
-    return dict(wall_s=wall, tok_s=tokens / wall, tokens=tokens, ttft=ttft, itl=itl, completions=completions)
+    return dict(wall_s=wall, tok_s=tokens / wall, tokens=tokens, ttft=ttft, itl=itl, completions=completions,
+                steps=steps)  # fmt: skip
 
 
 def pct(values: list[float], q: float) -> float:
@@ -221,6 +236,42 @@ def section_overlap(model, args, make_engine) -> dict:
     return dict(rows=rows)
 
 
+def section_staggered(model, args, make_engine) -> dict:
+    """(g) `--staggered`: the largest N of (b) arriving one every `--arrive-every` engine steps, so most steps prefill
+    a prompt beside the decoding rows. On CPU it compares the decode attention kernel against the reference for the
+    decoding rows of those mixed steps: the reference arm swaps `astrai.ops.attention._cpu_extend` (what eager CPU
+    prefill and mixed steps call) for the extend reference's loop with its default `decode_rows`. Decode steps run
+    the kernel in both arms. Radix off (no run reuses another's prompts); alternating runs, median of --repeats with
+    min-max."""
+    from astrai.cpu_kernels import library
+    from astrai.ops import attention
+    from astrai.triton_kernels.extend_attention import extend_per_request
+
+    n, vocab, kernel = max(args.requests), model.config.vocab_size, attention._cpu_extend
+    runs: dict[str, list[dict]] = {"kernel": [], "reference": []}
+    with make_engine(prefix_cache=False) as engine:
+        warm_up(engine, model, args)
+        for r in range(args.repeats):
+            for k, key in enumerate(runs):
+                attention._cpu_extend = kernel if key == "kernel" else extend_per_request
+                try:
+                    batch = prompts(n, args.prompt_len, vocab, 977 + 2 * r + k)
+                    runs[key].append(engine_run(engine, batch, args.new, arrive_every=args.arrive_every))
+                finally:
+                    attention._cpu_extend = kernel
+    rows = []
+    for key, results in runs.items():
+        rates = [x["tok_s"] for x in results]
+        rows.append(dict(mixed_rows=key, tok_s=statistics.median(rates), tok_s_min=min(rates), tok_s_max=max(rates),
+                         steps=statistics.median(x["steps"] for x in results),
+                         ttft_p50=statistics.median(pct(x["ttft"], 50) for x in results),
+                         ttft_p99=statistics.median(pct(x["ttft"], 99) for x in results),
+                         itl_p50=statistics.median(pct(x["itl"], 50) for x in results),
+                         itl_p99=statistics.median(pct(x["itl"], 99) for x in results)))  # fmt: skip
+    return dict(requests=n, arrive_every=args.arrive_every, kernel_available=library.load().reason is None,
+                repeats=args.repeats, rows=rows, speedup=rows[0]["tok_s"] / rows[1]["tok_s"])  # fmt: skip
+
+
 def warm_up(engine: Engine, model, args) -> None:
     """Compile the steps (and capture the CUDA graphs) for the batch sizes the sections use."""
     for n in sorted({1, 2, *args.requests}):
@@ -272,6 +323,9 @@ def run(args) -> dict:
     if cuda and not {"a", "b"} & set(args.skip):
         console.print("[dim](e) CUDA graphs off...[/]")
         report["graphs"] = section_graphs(model, args, make_engine, report)
+    if args.staggered:
+        console.print("[dim](g) staggered arrivals, mixed steps' decoding rows: kernel vs reference...[/]")
+        report["staggered"] = section_staggered(model, args, make_engine)
     if args.overlap:
         console.print("[dim](f) overlap schedule on vs off...[/]")
         report["overlap"] = section_overlap(model, args, make_engine)
@@ -309,6 +363,13 @@ def show(r: dict) -> None:
                             [("requests", ""), ("on_tok_s", ".1f"), ("on_tok_s_min", ".1f"), ("on_tok_s_max", ".1f"),
                              ("off_tok_s", ".1f"), ("off_tok_s_min", ".1f"), ("off_tok_s_max", ".1f"),
                              ("speedup", ".2f")]))  # fmt: skip
+    if "staggered" in r:
+        g = r["staggered"]
+        console.print(table(f"(g) {g['requests']} requests arriving every {g['arrive_every']} steps: the decoding rows "
+                            "of mixed steps through the kernel vs the reference (median, min-max; seconds)", g["rows"],
+                            [("mixed_rows", ""), ("tok_s", ".1f"), ("tok_s_min", ".1f"), ("tok_s_max", ".1f"),
+                             ("steps", ".0f"), ("ttft_p50", ".2f"), ("ttft_p99", ".2f"), ("itl_p50", ".3f"),
+                             ("itl_p99", ".3f")]))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,13 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--overlap", action="store_true", help="(f): the overlap schedule on vs off")
+    parser.add_argument("--staggered", action="store_true", help="(g): staggered arrivals, CPU mixed-step kernel")
+    parser.add_argument("--arrive-every", type=int, default=2, help="(g): engine steps between two arrivals")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c"], help="sections not to run")
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.config, args.requests, args.prompt_len, args.new = "tiny", [4], 16, 8
-        args.one_by_one, args.system_len, args.prefix_new, args.repeats = 1, 64, 4, 1
+        args.one_by_one, args.system_len, args.prefix_new, args.repeats, args.staggered = 1, 64, 4, 1, True
     report = run(args)
     show(report)
     emit(report, args.out)

@@ -76,6 +76,9 @@ def test_smoke_mode_reports_json(script, tmp_path):
         cold, warm = report["prefix"]["cold"], report["prefix"]["warm"]
         assert cold["on"]["prefill_tokens"] < cold["off"]["prefill_tokens"] == warm["off"]["prefill_tokens"]
         assert warm["on"]["prefill_tokens"] < cold["on"]["prefill_tokens"]
+        staggered = report["staggered"]  # both arms of (g) ran every request
+        assert [r["mixed_rows"] for r in staggered["rows"]] == ["kernel", "reference"]
+        assert all(r["tok_s"] > 0 and r["steps"] > report["new_tokens"] for r in staggered["rows"])
 
 
 def test_serve_smoke_reports_json(tmp_path):
