@@ -3,8 +3,8 @@
 The sources are compiled on first use with the C compiler the machine already has for `torch.compile`'s CPU
 code (`$CC`, else `cc`, `gcc` or `clang`), into `$XDG_CACHE_HOME/astrai/cpu_kernels` (else
 `~/.cache/astrai/cpu_kernels`), one file per set of sources and compiler, in about a second; a build removes the
-files of other sources untouched for a week. The library links
-the process's own libgomp (torch's); the kernels take their thread count from the caller.
+files of other sources unused for a week. The library links the process's own libgomp (torch's); the kernels
+take their thread count from the caller.
 
 `load()` returns the library with the CPU's features, or why there is none: `ASTRAI_CPU_KERNELS=0`, not x86-64,
 no compiler, or a failed build. The kernel modules (`matvec`, `decode_attention`) add their own checks (dtype,
@@ -13,6 +13,7 @@ AVX512-BF16) on top.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -98,9 +99,10 @@ STALE_AFTER_S = 7 * 24 * 3600
 
 
 def _remove_stale(kept: Path) -> None:
-    """Delete the libraries of other sources or compilers (one per source version, left by upgrades) untouched for
-    `STALE_AFTER_S`. A younger one may belong to another checkout that shares the cache; a process that has one
-    loaded keeps its mapping, and one that needs it again rebuilds it in a second or two."""
+    """Delete the libraries of other sources or compilers (one per source version, left by upgrades) that no process
+    has loaded for `STALE_AFTER_S` (`_open` touches the file it loads). A younger one may belong to another checkout
+    that shares the cache; a process that has one loaded keeps its mapping, and one that needs it again rebuilds it
+    in a second or two."""
     cutoff = time.time() - STALE_AFTER_S
     for old in kept.parent.glob("kernels-*.so"):
         try:
@@ -114,9 +116,12 @@ def _open(compiler: list[str], entries: tuple[str, ...]) -> ctypes.CDLL:
     """Load the cached library; one that fails to load or lacks an entry point (a truncated or foreign file
     under the cache's name) is rebuilt once rather than leaving the kernels off for good."""
     try:
-        cdll = ctypes.CDLL(str(_build(compiler)))
+        target = _build(compiler)
+        cdll = ctypes.CDLL(str(target))
         for name in entries:
             getattr(cdll, name)
+        with contextlib.suppress(OSError):  # marks it in use (`_remove_stale`); a read-only cache is fine
+            os.utime(target)
         return cdll
     except (OSError, AttributeError):
         target = _build(compiler, fresh=True)
@@ -162,8 +167,9 @@ def load() -> Library:
 def constant_when_compiled(fn: Any) -> Any:
     """`torch.compiler.assume_constant_result` without importing Dynamo: `torch.compile` calls `fn` once while
     tracing and keeps its result as a constant. The public decorator imports `torch._dynamo` (~1.5 s on 2 cores)
-    just to set this marker; the kernel modules are imported with `astrai`, and most processes (the CLI, rank
-    workers, eager runs) never compile. `tests/cpu_kernels` checks the marker is the public decorator's."""
+    just to set this marker; the kernel modules are imported with `astrai`, and many processes (eager runs,
+    training rank workers, tools that only load models) never compile. `tests/cpu_kernels` checks the marker is
+    the public decorator's."""
     fn._dynamo_marked_constant = True
     return fn
 
