@@ -87,14 +87,18 @@ def engine_run(engine: Engine, batch: list[list[int]], new: int, params: list[Sa
     params = params or [SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)] * len(batch)
     ttft, itl, start = [], [], time.perf_counter()
     queue, handles, submitted = list(zip(batch, params, strict=True)), [], []
+
+    def submit() -> None:
+        handles.append(engine.submit(*queue.pop(0)))
+        submitted.append(time.perf_counter())
+
+    while queue and not arrive_every:
+        submit()
     last: dict[int, float] = {}
     steps = 0
     while True:
-        while queue and (not arrive_every or steps % arrive_every == 0):
-            handles.append(engine.submit(*queue.pop(0)))
-            submitted.append(time.perf_counter())
-            if arrive_every:
-                break
+        if queue and steps % arrive_every == 0:  # staggered: one arrival every `arrive_every` steps
+            submit()
         busy = engine.step()
         steps, now = steps + 1, time.perf_counter()
         for i, handle in enumerate(handles):
