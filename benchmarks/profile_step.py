@@ -14,6 +14,7 @@ step of each kind under `torch.profiler` and reports:
   how much of the step is not GEMM (the issue's goal: <= 1.5x at >= 512 new tokens, <= 6 ms at 128 on the
   135M model on an H100/H200);
 - kernels launched per step (CUDA: kernel events, graph-replayed ones included) or aten ops (CPU);
+  `--fuse-projections on/off` compares the decode step with q/k/v and gate/up fused or not (issue 16 item 1);
 - the top operators by self time, and a Chrome trace per step in `--trace-dir` (open in Perfetto).
 
 Prints rich tables and the JSON report as the last stdout line. `--smoke`: a tiny config in seconds (CI).
@@ -41,6 +42,7 @@ from astrai.models.decoder import init_params
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
 GEMM_KERNEL = re.compile(r"gemm|matmul|cutlass|xmma|wgmma", re.I)
+FUSE = {"auto": None, "on": True, "off": False}
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise"}
 
 
@@ -131,7 +133,8 @@ def run(args) -> dict:
         trace_dir.mkdir(parents=True, exist_ok=True)
     config = EngineConfig(background=False, max_running=args.rows + 4, max_step_tokens=max(args.prefill) + args.rows,
                           kv_budget_tokens=args.rows * 1024 + 4 * max(args.prefill), prefix_cache=False,
-                          compile=not args.no_compile, compile_prefill=True)  # fmt: skip
+                          compile=not args.no_compile, compile_prefill=not args.eager_prefill,
+                          fuse_projections=FUSE[args.fuse_projections])  # fmt: skip
     rows = []
     with Engine(model, config) as engine:
         work = Workload(engine, args.rows, device)
@@ -163,14 +166,18 @@ def run(args) -> dict:
                          "x_gemm": ms / prof["gemm_ms"] if prof["gemm_ms"] else None,
                          "trace": str(trace) if trace else None})  # fmt: skip
         prefill_mode("compiled")
+        fused = engine.runner.model is not engine.model  # the engine serves a fused copy
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"benchmark": "profile_step", "config": args.config, "device": name, "dtype": args.dtype,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "compiled": not args.no_compile,
+            "fused_projections": fused, "kernels_per_decode_step": next(r["launches"] for r in rows),
             "repeats": args.repeats, "rows": rows}  # fmt: skip
 
 
 def show(r: dict) -> None:
-    console.print(table(f"one engine step, {r['config']} {r['dtype']} on {r['device']} (median of {r['repeats']})",
+    layout = "q/k/v and gate/up fused" if r["fused_projections"] else "projections apart"
+    title = f"one engine step, {r['config']} {r['dtype']} on {r['device']}, {layout} (median of {r['repeats']})"
+    console.print(table(title,
                         r["rows"], [("step", "s"), ("new_tokens", "d"), ("decode_rows", "d"), ("prefill", "s"),
                                     ("ms", ".2f"), ("gemm_ms", ".2f"), ("x_gemm", ".2f"),
                                     ("launches", "d")]))  # fmt: skip
@@ -191,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="eager steps (EngineConfig(compile=False))")
+    parser.add_argument("--eager-prefill", action="store_true", help="mixed steps through the eager prefill only")
+    parser.add_argument(
+        "--fuse-projections",
+        choices=sorted(FUSE),
+        default="auto",
+        help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: on CUDA)",
+    )
     parser.add_argument("--trace-dir", type=Path, default=None, help="write one Chrome trace per step kind here")
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)

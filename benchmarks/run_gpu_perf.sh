@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One prepared GPU check of issue 16 (performance), run on a CUDA machine from the repo root in <= 8 minutes:
+# One prepared GPU check of issue 16 (performance), run on a CUDA machine from the repo root in <= 9 minutes:
 # the long-context compiled decode-attention test (autotuning on, which run_gpu.sh's `-k "not compile"` skips),
 # the compiled-prefill and overlap-schedule tests on CUDA (compiled prefill is on by default there, measured only
 # on CPU so far; the overlap test checks that launching a decode step never syncs the host), the fused MoE kernel
 # (sync-free experts: DeepSeek-shaped MLA + MoE engines now capture CUDA graphs),
 # the step profile (profile_step.py: a decode step and mixed steps through the compiled and the eager prefill
-# under torch.profiler, Chrome traces kept), the
+# under torch.profiler, Chrome traces kept), batch-1 decode steps with fused projections on and off (ms, kernels per
+# step), the
 # engine benchmark in bf16 (CUDA graphs on and off, overlap schedule on and off) and nano-vllm's serving workload (bench_throughput --preset
 # gpu, one timed repeat). Logs, JSON and traces go to ${OUT:-benchmarks/results}. Stages are independent.
 set -u
@@ -16,11 +17,15 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 stage decode_attention_autotuned "${ATTN_TIMEOUT:-60}" env ASTRAI_TRITON_AUTOTUNE=1 $py -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning tests/triton_kernels/test_decode_attention.py -k "compiled_gpu"
 stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-80}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-  tests/astrai/inference/test_compiled_prefill.py tests/astrai/inference/test_engine.py \
+  tests/astrai/inference/test_compiled_prefill.py tests/astrai/inference/test_engine.py tests/astrai/inference/test_fuse_engine.py \
   tests/astrai/inference/test_overlap.py tests/astrai/models/test_deepseek_parity.py tests/triton_kernels/test_fused_moe.py \
   -k "compiled or prefill or cuda or overlap"
 stage profile_step "${PROFILE_TIMEOUT:-70}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
   --out "$out/h200_profile_step.json"
+for fuse in on off; do  # issue 16 item 1: batch-1 decode with q/k/v and gate/up fused (the CUDA default) or apart
+  stage "decode_fusion_$fuse" "${FUSION_TIMEOUT:-45}" $py benchmarks/profile_step.py --device cuda --rows 1 --prefill 128 \
+    --eager-prefill --warmup 2 --repeats 9 --fuse-projections "$fuse" --out "$out/h200_profile_decode_fused_$fuse.json"
+done
 stage bench_engine_gpu "${ENGINE_TIMEOUT:-160}" $py benchmarks/bench_engine.py --device cuda --dtype bfloat16 --overlap \
   --out "$out/h200_bench_engine.json"
 stage bench_throughput_gpu "${THROUGHPUT_TIMEOUT:-120}" $py benchmarks/bench_throughput.py --preset gpu --repeats 1 \

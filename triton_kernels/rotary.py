@@ -33,22 +33,28 @@ from torch import Tensor
 
 from ._common import check_last_dim_contiguous
 
-__all__ = ["rotary", "rotary_ref"]
+__all__ = ["block_sizes", "rotary", "rotary_ref", "rotate_block"]
 
 
 @triton.jit
-def _rotate_block(
-    x_ptr, o_ptr, cos_ptr, sin_ptr, pos_ptr, t0, h0, num_tokens, num_heads, num_rows,
+def rotate_block(
+    x_ptr, o_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, t0, h0, num_tokens, num_heads, num_rows,
     stride_x_t, stride_x_h, stride_o_t, stride_o_h, stride_cos_r, stride_sin_r, stride_pos_t,
-    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, HAS_SLOTS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    # Rotate rows (t0 + r // BLOCK_H, h0 + r % BLOCK_H) of x [T, heads, D] into o [T, heads, D].
+    # Rotate rows (t0 + r // BLOCK_H, h0 + r % BLOCK_H) of x [T, heads, D] into o [T, heads, D], or with
+    # HAS_SLOTS into o [S, heads, D] at row slot[t] (a paged KV pool; a negative slot writes nothing).
     rows = tl.arange(0, BLOCK_T * BLOCK_H)
     tok = t0 + rows // BLOCK_H  # [ROWS] int64
     head = h0 + rows % BLOCK_H
     tok_ok = tok < num_tokens
     row_ok = tok_ok & (head < num_heads)
+    if HAS_SLOTS:
+        out_tok = tl.load(slot_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
+        row_ok = row_ok & (out_tok >= 0)
+    else:
+        out_tok = tok
     if HAS_POSITIONS:
         table_row = tl.load(pos_ptr + tok * stride_pos_t, mask=tok_ok, other=0).to(tl.int64)
     else:
@@ -66,7 +72,7 @@ def _rotate_block(
     if INVERSE:
         s = -s
     x_row = x_ptr + tok * stride_x_t + head * stride_x_h  # [ROWS] row starts
-    o_row = o_ptr + tok * stride_o_t + head * stride_o_h
+    o_row = o_ptr + out_tok * stride_o_t + head * stride_o_h
     if INTERLEAVED:
         # Whole rows load and store as contiguous vectors; pairs are split and rejoined in registers.
         d = tl.arange(0, 2 * HALF_PAD)
@@ -100,16 +106,16 @@ def _rotary_kernel(
     pid_h = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
     if pid_h < num_q_blocks:
-        _rotate_block(
-            q_ptr, qo_ptr, cos_ptr, sin_ptr, pos_ptr, t0, pid_h * BLOCK_H, num_tokens, num_q_heads, num_rows,
-            stride_q_t, stride_q_h, stride_qo_t, stride_qo_h, stride_cos_r, stride_sin_r, stride_pos_t,
-            HAS_POSITIONS, INTERLEAVED, INVERSE, HALF, HALF_PAD, BLOCK_T, BLOCK_H,
+        rotate_block(
+            q_ptr, qo_ptr, cos_ptr, sin_ptr, pos_ptr, pos_ptr, t0, pid_h * BLOCK_H, num_tokens, num_q_heads,
+            num_rows, stride_q_t, stride_q_h, stride_qo_t, stride_qo_h, stride_cos_r, stride_sin_r, stride_pos_t,
+            HAS_POSITIONS, False, INTERLEAVED, INVERSE, HALF, HALF_PAD, BLOCK_T, BLOCK_H,
         )  # fmt: skip
     else:
-        _rotate_block(
-            k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, t0, (pid_h - num_q_blocks) * BLOCK_H, num_tokens,
+        rotate_block(
+            k_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, pos_ptr, t0, (pid_h - num_q_blocks) * BLOCK_H, num_tokens,
             num_k_heads, num_rows, stride_k_t, stride_k_h, stride_ko_t, stride_ko_h, stride_cos_r, stride_sin_r,
-            stride_pos_t, HAS_POSITIONS, INTERLEAVED, INVERSE, HALF, HALF_PAD, BLOCK_T, BLOCK_H,
+            stride_pos_t, HAS_POSITIONS, False, INTERLEAVED, INVERSE, HALF, HALF_PAD, BLOCK_T, BLOCK_H,
         )  # fmt: skip
 
 
@@ -144,7 +150,7 @@ def _rotate_ref(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tenso
     return out.to(x.dtype)
 
 
-def _block_sizes(num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int) -> tuple[int, int]:
+def block_sizes(num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int) -> tuple[int, int]:
     # BLOCK_H is the largest power of two (<= 16) dividing both head counts, so no head block is partly masked;
     # BLOCK_T brings a program to ~4K elements so tiny head counts (K = 1, 2) still move enough bytes.
     common = math.gcd(num_q_heads, num_k_heads)
@@ -166,7 +172,7 @@ def _rotary(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
-    block_t, block_h = _block_sizes(num_tokens, num_q_heads, num_k_heads, head_dim)
+    block_t, block_h = block_sizes(num_tokens, num_q_heads, num_k_heads, head_dim)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h))
     pos = positions if positions is not None else cos  # never read without HAS_POSITIONS
     _rotary_kernel[grid](

@@ -100,6 +100,9 @@ class ServeConfig(ModelArgs):
     pack_weights: bool = True
     """CPU: a oneDNN-packed copy of the projection weights for batched decode and prefill (faster; costs the
     weights' memory once more; skipped when free memory is short)."""
+    fuse_projections: Literal["auto", "on", "off"] = "auto"
+    """Serve q/k/v and gate/up of each block as one projection each (two GEMMs instead of five per block; costs
+    those weights' memory once more). auto: on CUDA when the copy fits, off on CPU (measured slower there)."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
     log_level: Annotated[LogLevel, tyro.conf.arg(aliases=("--uvicorn-log-level",), metavar="LEVEL")] = "info"
@@ -161,6 +164,7 @@ def engine_config(cfg: ServeConfig):
                         kv_budget_tokens=cfg.kv_budget, gpu_memory_utilization=cfg.gpu_memory_utilization,
                         page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
+                        fuse_projections={"auto": None, "on": True, "off": False}[cfg.fuse_projections],
                         tensor_parallel_size=cfg.tensor_parallel_size,
                         overlap_schedule=cfg.async_scheduling)  # fmt: skip
 

@@ -14,6 +14,8 @@ matcher.
 
 RL rollouts (`astrai.train.rollout`): the engine serves the trainer's own tensors; after an optimizer step,
 `update_params()` drops every cached prefix (old weights' K/V); `update_params(tree)` swaps tensors, no copy.
+With fused projections (`EngineConfig.fuse_projections`, on CUDA by default) the engine serves a fused copy of
+q/k/v and gate/up instead (`layout.py`), and both calls write the new values into it in place.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from astrai.inference.errors import EngineInputError
 from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
 from astrai.inference.grammar import compile_grammar as compile_source
 from astrai.inference.handle import RequestHandle
+from astrai.inference.layout import served_model, should_fuse
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.inference.plan import ScheduledSeq
@@ -74,6 +77,9 @@ class Engine:
         # under tensor parallel every rank holds the KV of its own heads: size the pool from one rank's share
         device = tp_devices(tp_size)[0] if tp_size > 1 else model.device
         kv_cfg = tp_config(model.config, tp_size) if tp_size > 1 else model.config
+        # the tree the runner serves: the model's own, or a fused copy (made before the pool takes the free memory)
+        self._fuse = should_fuse(model, cfg.fuse_projections, tensor_parallel=tp_size > 1)
+        self._served = served_model(model, self._fuse)
         num_pages = self._num_pages(device, kv_bytes_per_token(kv_cfg, model.dtype))
         self.pool = PagePool(num_pages, cfg.page_size)
         self.radix = RadixCache(self.pool) if cfg.prefix_cache else None
@@ -86,7 +92,7 @@ class Engine:
         if tp_size > 1:
             self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, **runner_kw)
         else:
-            self.runner = ModelRunner(model, **runner_kw)
+            self.runner = ModelRunner(self._served, **runner_kw)
         self._rng, self._arrival = random.Random(cfg.seed), itertools.count()
         self._tracked: dict[str, RequestDelivery] = {}
         self._inbox, self._aborts = [], []  # RequestDelivery to admit, request ids to abort (engine thread)
@@ -303,8 +309,10 @@ class Engine:
         self.invalidate_prefix_cache()  # refuses while requests are in flight
         if params is not None:
             self.model = attrs.evolve(self.model, params=params)
-            self.runner.set_model(self.model)
+            self._served = served_model(self.model, self._fuse, into=self._served)
+            self.runner.set_model(self._served)
         else:
+            served_model(self.model, self._fuse, into=self._served)  # fused copies: the new values, in place
             self.runner.refresh_weights()
 
     def invalidate_prefix_cache(self) -> None:

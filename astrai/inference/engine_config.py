@@ -46,6 +46,11 @@ class EngineConfig:
     """CPU: keep a oneDNN-packed copy of each projection weight for many-row products (batched decode, prefill;
     `astrai.ops.packed_linear`): faster, at the cost of the weights' memory once more (skipped when free memory
     is short). Ignored on CUDA."""
+    fuse_projections: bool | None = None
+    """Serve a copy of the weights with each block's q/k/v and gate/up as one projection (`astrai.models.fuse`):
+    two GEMMs instead of five per block and step. It costs those weights' memory once more. None: on CUDA when the
+    copy fits in a quarter of the free device memory, off on CPU (a fused compiled decode step measured slower
+    there, docs/inference.md); ignored under tensor parallel."""
     seed: int | None = None
     """Seed for the seeds of requests that give none (None: random)."""
     tensor_parallel_size: int = 1

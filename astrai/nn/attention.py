@@ -2,7 +2,8 @@
 
 Order of operations follows transformers (llama, mistral, qwen2, qwen3): project, split heads, per-head
 RMSNorm on q and k (qwen3), rotate, attend, merge heads, output projection. With a KV cache the new K/V are
-written into the pool first and attention reads everything (prefix and new tokens) from the pool.
+written into the pool first (rotation and store are one kernel on CUDA, `ops.rotary.rotary_kv_store_`) and
+attention reads everything (prefix and new tokens) from the pool.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from torch import Tensor
 from astrai.nn.linear import LinearParams, init_linear, linear, linear_group
 from astrai.nn.norm import RMSNormParams, init_rms_norm, rms_norm
 from astrai.ops.attention import AttnMeta, dense_attention, paged_attention
-from astrai.ops.kv_store import kv_store_
-from astrai.ops.rotary import rotary
+from astrai.ops.rotary import rotary, rotary_kv_store_
 from astrai.tree import pytree
 
 
@@ -29,6 +29,18 @@ class AttentionParams:
     q_proj: LinearParams  # [H*D, E]
     k_proj: LinearParams  # [K*D, E]
     v_proj: LinearParams  # [K*D, E]
+    o_proj: LinearParams  # [E, H*D]
+    q_norm: RMSNormParams | None = None  # [D]
+    k_norm: RMSNormParams | None = None  # [D]
+
+
+@pytree
+@attrs.frozen(eq=False)
+class FusedAttentionParams:
+    """An attention layer for serving, with q/k/v as one projection (`astrai.models.fuse`): one GEMM per step
+    instead of three, as vLLM's QKVParallelLinear. `qkv_proj` holds the q, k and v rows in that order."""
+
+    qkv_proj: LinearParams  # [(H + 2K) * D, E]
     o_proj: LinearParams  # [E, H*D]
     q_norm: RMSNormParams | None = None  # [D]
     k_norm: RMSNormParams | None = None  # [D]
@@ -78,7 +90,7 @@ def init_attention(
 
 
 def attention(
-    p: AttentionParams,
+    p: AttentionParams | FusedAttentionParams,
     x: Tensor,
     cos: Tensor,
     sin: Tensor,
@@ -93,7 +105,7 @@ def attention(
     """Self-attention.
 
     Args:
-        p: layer parameters.
+        p: layer parameters (q/k/v apart, or fused into one projection for serving).
         x: [B, T, E] (dense, causal over each row) or [T, E] (paged: flattened new tokens of a batch).
         cos, sin: [B*T or T, D/2] float32 rotation tables for the tokens of `x` in row-major order.
         shape: static head layout, window and rope layout.
@@ -108,14 +120,17 @@ def attention(
     """
     lead = x.shape[:-1]
     heads, kv_heads, dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    q, k, v = linear_group((p.q_proj, p.k_proj, p.v_proj), x)
+    if isinstance(p, FusedAttentionParams):
+        q, k, v = linear(p.qkv_proj, x).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    else:
+        q, k, v = linear_group((p.q_proj, p.k_proj, p.v_proj), x)
     q, k, v = q.view(*lead, heads, dim), k.view(*lead, kv_heads, dim), v.view(*lead, kv_heads, dim)
     if p.q_norm is not None and p.k_norm is not None:
         q, k = rms_norm(p.q_norm, q, eps=shape.norm_eps), rms_norm(p.k_norm, k, eps=shape.norm_eps)
     # rotary works on flat tokens: [B*T, heads, D]
-    q, k = rotary(q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim), cos, sin, interleaved=shape.interleaved_rope)
-    v = v.reshape(-1, kv_heads, dim)
+    q, k, v = q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim)
     if kv is None:
+        q, k = rotary(q, k, cos, sin, interleaved=shape.interleaved_rope)
         out = dense_attention(
             q.view(*lead, heads, dim),
             k.view(*lead, kv_heads, dim),
@@ -129,6 +144,7 @@ def attention(
     else:
         if meta is None:
             raise ValueError("paged attention needs AttnMeta together with the KV cache")
-        kv_store_(kv[0], kv[1], k, v, meta.slot_mapping)
+        # rotate, and store the new K/V into the pool: one kernel on CUDA
+        q = rotary_kv_store_(q, k, v, cos, sin, kv, meta.slot_mapping, interleaved=shape.interleaved_rope)
         out = paged_attention(q, kv[0], kv[1], meta, scale=shape.scale, window=shape.window)
     return linear(p.o_proj, out.reshape(*lead, heads * dim))

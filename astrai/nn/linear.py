@@ -70,6 +70,45 @@ def plain(p: LinearParams) -> bool:
     return type(p) is LinearParams and p.scale is None
 
 
+def stackable(ps: tuple[LinearParams, ...]) -> bool:
+    """Whether `concat_linears` can stack `ps`: plain projections (no adapter) that are all float or all int8, of
+    one dtype, device and input size."""
+    kinds = {(type(p), p.scale is None, p.weight.dtype, p.weight.device, p.weight.shape[1:]) for p in ps}
+    return len(kinds) == 1 and type(ps[0]) is LinearParams and ps[0].weight.dim() == 2
+
+
+def concat_linears(ps: tuple[LinearParams, ...]) -> LinearParams | None:
+    """One projection computing every one of `ps` (their outputs side by side, in order), or None when they do not
+    stack: an adapter (LoRA), a mix of float and int8 weights, or weights of different dtype, device or input
+    size. Weights, biases (zeros for a missing one) and int8 scales are concatenated along the output rows: a copy.
+    """
+    if not stackable(ps):
+        return None
+    first = ps[0].weight
+    weight = torch.cat([p.weight for p in ps])
+    scale = None if ps[0].scale is None else torch.cat([p.scale for p in ps])
+    bias = None
+    if any(p.bias is not None for p in ps):
+        bias_dtype = next(p.bias.dtype for p in ps if p.bias is not None)
+        zeros = [torch.zeros(p.weight.shape[0], dtype=bias_dtype, device=first.device) for p in ps]
+        bias = torch.cat([z if p.bias is None else p.bias for p, z in zip(ps, zeros, strict=True)])
+    return LinearParams(weight=weight, bias=bias, scale=scale)
+
+
+def copy_concat_(fused: LinearParams, ps: tuple[LinearParams, ...]) -> None:
+    """Write the current values of `ps` into `fused` (made by `concat_linears`) in place: the served tensors keep
+    their storage, so compiled steps and CUDA graphs that hold them see the new values."""
+    rows = [p.weight.shape[0] for p in ps]
+    for out, p in zip(fused.weight.split(rows), ps, strict=True):
+        out.copy_(p.weight)
+    if fused.scale is not None:
+        for out, p in zip(fused.scale.split(rows), ps, strict=True):
+            out.copy_(p.scale)
+    if fused.bias is not None:
+        for out, p in zip(fused.bias.split(rows), ps, strict=True):
+            out.copy_(p.bias) if p.bias is not None else out.zero_()
+
+
 def linear_group(ps: tuple[LinearParams, ...], x: Tensor) -> list[Tensor]:
     """[linear(p, x) for p in ps]: projections of one input (q/k/v, gate/up). Plain ones go through
     `ops.linear.linears`, which runs them as one product when the CPU engine packed them together."""

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward: `MLPParams` and `mlp()` = down(silu(gate(x)) * up(x))."""
+"""SwiGLU feed-forward: `MLPParams` (or `FusedMLPParams`) and `mlp()` = down(silu(gate(x)) * up(x))."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ class MLPParams:
     down_proj: LinearParams  # [E, F]
 
 
+@pytree
+@attrs.frozen(eq=False)
+class FusedMLPParams:
+    """A SwiGLU MLP for serving, with gate and up as one projection (`astrai.models.fuse`): one GEMM per step
+    instead of two, as vLLM's MergedColumnParallelLinear. `gate_up_proj` holds the gate rows, then the up rows."""
+
+    gate_up_proj: LinearParams  # [2F, E]
+    down_proj: LinearParams  # [E, F]
+
+
 def init_mlp(
     dim: int,
     hidden: int,
@@ -40,7 +50,10 @@ def init_mlp(
     )
 
 
-def mlp(p: MLPParams, x: Tensor) -> Tensor:
+def mlp(p: MLPParams | FusedMLPParams, x: Tensor) -> Tensor:
     """x: [..., E] -> [..., E]."""
-    gate, up = linear_group((p.gate_proj, p.up_proj), x)
+    if isinstance(p, FusedMLPParams):
+        gate, up = linear(p.gate_up_proj, x).chunk(2, dim=-1)
+    else:
+        gate, up = linear_group((p.gate_proj, p.up_proj), x)
     return linear(p.down_proj, F.silu(gate) * up)

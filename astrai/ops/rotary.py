@@ -1,10 +1,12 @@
-"""Rotary embedding on q and k: Triton kernel on CUDA, plain torch on CPU."""
+"""Rotary embedding on q and k (`rotary`), and with the KV store of a paged layer fused in (`rotary_kv_store_`):
+Triton kernels on CUDA, plain torch on CPU."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from astrai.ops.backend import attn_backend
+from astrai.ops.kv_store import kv_store_
 
 
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> tuple[Tensor, Tensor]:
@@ -31,3 +33,26 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool 
     from astrai.triton_kernels.rotary import rotary_ref
 
     return rotary_ref(q, k, cos, sin, interleaved=interleaved)
+
+
+def rotary_kv_store_(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], slot_mapping: Tensor,
+    *, interleaved: bool = False,
+) -> Tensor:  # fmt: skip
+    """Rotate q and k, write the rotated k and v into the pools `kv` at `slot_mapping` (in place; a negative slot
+    writes nothing), and return the rotated q: `rotary` then `kv_store_`, in one Triton launch on CUDA
+    (`triton_kernels/rotary_kv_store.py`), the two steps elsewhere.
+
+    Args:
+        q: [T, H, D]; k, v: [T, K, D] (any token/head strides, e.g. views of a fused qkv projection).
+        cos, sin: [T, D/2] float32 per-token tables.
+        kv: (k_cache, v_cache) pools [S, K, D] of this layer.
+        slot_mapping: [T] int64 pool slot per token.
+    """
+    if attn_backend(q) == "triton":
+        from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_ as fused_kernel_
+
+        return fused_kernel_(q, k, v, cos, sin, kv[0], kv[1], slot_mapping, interleaved)
+    q, k = rotary(q, k, cos, sin, interleaved=interleaved)
+    kv_store_(kv[0], kv[1], k, v, slot_mapping)
+    return q

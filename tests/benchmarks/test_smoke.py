@@ -169,4 +169,6 @@ def test_profile_step_smoke_measures_both_step_kinds(tmp_path):
     for mixed in (compiled, eager):
         assert mixed["gemm_ms"] > 0 and mixed["x_gemm"] >= 1 and mixed["launches"] > decode["launches"] > 0
     assert eager["launches"] > compiled["launches"]
+    # CPU: the engine serves the checkpoint layout by default (fused projections are on by default on CUDA only)
+    assert report["fused_projections"] is False and report["kernels_per_decode_step"] == decode["launches"]
     assert all(Path(row["trace"]).is_file() and row["top"] for row in report["rows"])

@@ -76,6 +76,9 @@ def test_aliases_and_model_flag_parse_like_the_primary_spelling(monkeypatch):
     assert engine_config(parse(ServeConfig, ["m"])).prefix_cache is True
     assert engine.overlap_schedule is False  # vLLM's --async-scheduling turns on the overlap schedule
     assert engine_config(parse(ServeConfig, ["m", "--async-scheduling"])).overlap_schedule is True
+    fuse = {v: engine_config(parse(ServeConfig, ["m", "--fuse-projections", v])).fuse_projections
+            for v in ("auto", "on", "off")}  # fmt: skip
+    assert fuse == {"auto": None, "on": True, "off": False} and engine.fuse_projections is None
     for cls, extra in ((GenerateConfig, ["--prompt", "x"]), (ChatConfig, [])):
         positional = parse(cls, ["m", "--dtype", "half", "--revision", "v1", *extra])
         assert positional == parse(cls, ["--dtype", "half", "--model", "m", "--revision", "v1", *extra])

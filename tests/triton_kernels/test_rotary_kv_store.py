@@ -1,0 +1,92 @@
+"""rotary_kv_store_ (Triton; interpreted on CPU) against the unfused kernels and the reference.
+
+The kernel must leave exactly what `rotary` then `kv_store_` leave: the same rotated q, and the same pools
+(rotated k and v at their slots, every other slot untouched, padding rows writing nothing). Inputs are strided
+views of one fused [T, H + 2K, D] projection, as the engine passes them. Negative control: a swapped slot
+mapping gives other pools.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.triton_kernels.kv_store import kv_store_
+from astrai.triton_kernels.rotary import rotary
+from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_, rotary_kv_store_ref_
+from helpers import DEVICE, TOLERANCES, assert_close
+
+# (H, K, D): GQA 4, MQA, MHA, and a head dim whose half is not a power of two
+SHAPES = [(8, 2, 64), (4, 1, 32), (3, 3, 10)]
+SLOTS = [17, -1, 0, 45, 3, -1, 30]  # shuffled, with padding rows and slot 0 next to one
+
+
+def _inputs(heads, kv_heads, head_dim, dtype, slots=SLOTS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = len(slots)
+    fused = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)  # views: token stride (H + 2K) * D
+    angles = torch.rand(tokens, head_dim // 2, generator=gen).to(DEVICE) * 6.3
+    pools = [torch.randn(48, kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)]
+    return q, k, v, angles.cos(), angles.sin(), pools, torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_equals_rotary_then_store(shape, interleaved, dtype):
+    q, k, v, cos, sin, (k_pool, v_pool), slots = _inputs(*shape, dtype)
+    kc, vc = k_pool.clone(), v_pool.clone()
+    q_out = rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots, interleaved)
+    # the unfused kernels: exactly the same pools, and the same q
+    q_two, k_two = rotary(q, k, cos, sin, interleaved=interleaved)
+    kc2, vc2 = k_pool.clone(), v_pool.clone()
+    kv_store_(kc2, vc2, k_two, v, slots)
+    assert torch.equal(q_out, q_two) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # the specification, within the rotary tolerance (fp32 math, FMA contraction may differ)
+    kc3, vc3 = k_pool.clone(), v_pool.clone()
+    q_ref = rotary_kv_store_ref_(q, k, v, cos, sin, kc3, vc3, slots, interleaved)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(q_out, q_ref, atol=atol, rtol=rtol, msg="q")
+    assert_close(kc, kc3, atol=atol, rtol=rtol, msg="k pool")
+    assert torch.equal(vc, vc3)
+    untouched = torch.ones(48, dtype=torch.bool, device=kc.device)
+    untouched[[s for s in SLOTS if s >= 0]] = False
+    assert torch.equal(kc[untouched], k_pool[untouched]) and torch.equal(vc[untouched], v_pool[untouched])
+
+
+def test_only_padding_rows_and_no_rows_write_nothing():
+    q, k, v, cos, sin, (k_pool, v_pool), slots = _inputs(4, 2, 16, torch.float32, slots=[-1, -1, -1])
+    kc, vc = k_pool.clone(), v_pool.clone()
+    q_out = rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots)
+    assert torch.equal(kc, k_pool) and torch.equal(vc, v_pool)
+    assert_close(q_out, rotary(q, k, cos, sin)[0], atol=0, msg="q")
+    empty = rotary_kv_store_(q[:0], k[:0], v[:0], cos[:0], sin[:0], kc, vc, slots[:0])
+    assert empty.shape == (0, 4, 16) and torch.equal(kc, k_pool)
+
+
+def test_a_different_slot_mapping_gives_different_pools():
+    """Negative control: the comparison above would notice rows written to the wrong slots."""
+    q, k, v, cos, sin, (k_pool, v_pool), slots = _inputs(4, 2, 16, torch.float32)
+    kc, vc, kc2, vc2 = k_pool.clone(), v_pool.clone(), k_pool.clone(), v_pool.clone()
+    rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots)
+    rotary_kv_store_(q, k, v, cos, sin, kc2, vc2, slots.flip(0))
+    assert not torch.equal(kc, kc2) and not torch.equal(vc, vc2)
+
+
+def test_refusals_name_the_argument():
+    q, k, v, cos, sin, (kc, vc), slots = _inputs(4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots.to(torch.int32))
+    with pytest.raises(ValueError, match="cos and sin"):
+        rotary_kv_store_(q, k, v, cos[:-1], sin[:-1], kc, vc, slots)
+    with pytest.raises(ValueError, match="pools"):
+        rotary_kv_store_(q, k, v, cos, sin, kc[:, :1], vc[:, :1], slots)
+    with pytest.raises(ValueError, match="k and v"):
+        rotary_kv_store_(q, k, v[:, :1], cos, sin, kc, vc, slots)
+
+
+def test_opcheck():
+    q, k, v, cos, sin, (kc, vc), slots = _inputs(4, 2, 16, torch.float32)
+    torch.library.opcheck(torch.ops.astrai.rotary_kv_store_.default, (q, k, v, cos, sin, kc, vc, slots, False),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip

@@ -1,0 +1,141 @@
+"""Rotary embedding of the new tokens' q and k, and the store of k and v into the paged KV pool, in one launch.
+
+A paged attention layer (decode, prefill, mixed steps) rotates q and k, then writes k and v into the pool: two
+launches per layer, and the rotated k goes through global memory once more between them. This kernel does both:
+it rotates q into a new tensor, rotates k straight into its pool slots and copies v into its slots. The rotated
+k never exists outside the pool. One kernel per layer and step instead of two (issue 16 item 1: a batch-1
+decode step is a chain of tiny launches).
+
+Math and layouts are those of `rotary` (half-rotation or interleaved, per-token cos/sin tables [T, D/2], q/k/v
+with a contiguous last dim and any token/head strides, e.g. views of a fused qkv projection) and `kv_store_`
+(pools [S, K, D] with a contiguous last dim, `slot_mapping` [T] int64, a negative slot marks a padding row and
+writes nothing). k is rounded once, to the pool's dtype; with the pool in k's dtype (as the engine keeps it) the
+pool holds exactly what `rotary` then `kv_store_` would write.
+
+Grid `(cdiv(T, BLOCK_T), 2 * cdiv(K, BLOCK_H) + cdiv(H, BLOCK_H))`: the first head blocks rotate q, then k
+(into the pool), then the v copy. Inference only: no autograd (the dense training path never stores).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._common import check_last_dim_contiguous
+from .kv_store import kv_store_ref_
+from .rotary import block_sizes, rotary_ref, rotate_block
+
+__all__ = ["rotary_kv_store_", "rotary_kv_store_ref_"]
+
+
+@triton.jit
+def _copy_to_slots(
+    x_ptr, o_ptr, slot_ptr, t0, h0, num_tokens, num_heads, stride_x_t, stride_x_h, stride_o_s, stride_o_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    # o[slot[t], h] = x[t, h] for rows (t0 + r // BLOCK_H, h0 + r % BLOCK_H); a negative slot writes nothing.
+    rows = tl.arange(0, BLOCK_T * BLOCK_H)
+    tok = t0 + rows // BLOCK_H
+    head = h0 + rows % BLOCK_H
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = (tok_ok & (head < num_heads) & (slot >= 0))[:, None] & (d[None, :] < HEAD_DIM)
+    x = tl.load(x_ptr + (tok * stride_x_t + head * stride_x_h)[:, None] + d[None, :], mask=mask)
+    tl.store(o_ptr + (slot * stride_o_s + head * stride_o_h)[:, None] + d[None, :], x.to(o_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _rotary_kv_store_kernel(
+    q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slot_ptr,
+    num_tokens, num_q_heads, num_k_heads,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+    stride_cos_r, stride_sin_r,
+    INTERLEAVED: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    pid_h = tl.program_id(1)
+    num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    num_k_blocks = tl.cdiv(num_k_heads, BLOCK_H)
+    if pid_h < num_q_blocks:
+        rotate_block(
+            q_ptr, qo_ptr, cos_ptr, sin_ptr, slot_ptr, slot_ptr, t0, pid_h * BLOCK_H, num_tokens, num_q_heads,
+            num_tokens, stride_q_t, stride_q_h, stride_qo_t, stride_qo_h, stride_cos_r, stride_sin_r, 0,
+            False, False, INTERLEAVED, False, HALF, HALF_PAD, BLOCK_T, BLOCK_H,
+        )  # fmt: skip
+    elif pid_h < num_q_blocks + num_k_blocks:
+        rotate_block(
+            k_ptr, kc_ptr, cos_ptr, sin_ptr, slot_ptr, slot_ptr, t0, (pid_h - num_q_blocks) * BLOCK_H, num_tokens,
+            num_k_heads, num_tokens, stride_k_t, stride_k_h, stride_kc_s, stride_kc_h, stride_cos_r, stride_sin_r,
+            0, False, True, INTERLEAVED, False, HALF, HALF_PAD, BLOCK_T, BLOCK_H,
+        )  # fmt: skip
+    else:
+        _copy_to_slots(
+            v_ptr, vc_ptr, slot_ptr, t0, (pid_h - num_q_blocks - num_k_blocks) * BLOCK_H, num_tokens, num_k_heads,
+            stride_v_t, stride_v_h, stride_vc_s, stride_vc_h, 2 * HALF, 2 * HALF_PAD, BLOCK_T, BLOCK_H,
+        )  # fmt: skip
+
+
+def rotary_kv_store_ref_(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+    slot_mapping: Tensor, interleaved: bool = False,
+) -> Tensor:  # fmt: skip
+    """The specification: `rotary_ref` on q and k, then `kv_store_ref_` of the rotated k and v (cast to the
+    pool's dtype); returns the rotated q. Same arguments as `rotary_kv_store_`."""
+    q_out, k_out = rotary_ref(q, k, cos, sin, interleaved=interleaved)
+    kv_store_ref_(k_cache, v_cache, k_out.to(k_cache.dtype), v.to(v_cache.dtype), slot_mapping)
+    return q_out
+
+
+def _check(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    if not (q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape and q.shape[0] == k.shape[0]):
+        raise ValueError(f"q [T, H, D], k and v [T, K, D] expected, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")  # fmt: skip
+    if q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"q and k need one even head dim, got {q.shape[2]} and {k.shape[2]}")
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:]:
+        raise ValueError(f"pools [S, {k.shape[1]}, {k.shape[2]}] expected, got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")  # fmt: skip
+    half = q.shape[2] // 2
+    if cos.shape != (q.shape[0], half) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin [{q.shape[0]}, {half}] expected, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"slot_mapping [{q.shape[0]}] int64 expected, got {tuple(slot_mapping.shape)} "
+                         f"{slot_mapping.dtype}")  # fmt: skip
+    check_last_dim_contiguous(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
+
+
+@torch.library.custom_op("astrai::rotary_kv_store_", mutates_args=("k_cache", "v_cache"))
+def rotary_kv_store_(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+    slot_mapping: Tensor, interleaved: bool = False,
+) -> Tensor:  # fmt: skip
+    """Rotate q (returned, a new [T, H, D] tensor in q's dtype) and k, and store the rotated k and v into the
+    pools at `slot_mapping` in place (Triton; CUDA, or CPU under the interpreter). See the module docstring."""
+    _check(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    block_t, block_h = block_sizes(num_tokens, num_q_heads, num_k_heads, head_dim)
+    heads = triton.cdiv(num_q_heads, block_h) + 2 * triton.cdiv(num_k_heads, block_h)
+    _rotary_kv_store_kernel[(triton.cdiv(num_tokens, block_t), heads)](
+        q, k, v, q_out, k_cache, v_cache, cos, sin, slot_mapping, num_tokens, num_q_heads, num_k_heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        cos.stride(0), sin.stride(0),
+        INTERLEAVED=interleaved, HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=True,
+    )  # fmt: skip
+    return q_out
+
+
+@rotary_kv_store_.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, interleaved=False):
+    return q.new_empty(q.shape)
