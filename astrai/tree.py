@@ -91,6 +91,11 @@ def leaves(tree: Any) -> list[Any]:
     return _pt.tree_leaves(tree)
 
 
+def same_structure(a: Any, b: Any) -> bool:
+    """Whether two trees have one structure: node types, present (non-None) fields, static values, leaf count."""
+    return _pt.tree_structure(a) == _pt.tree_structure(b)
+
+
 def _path_name(path: tuple[Any, ...]) -> str:
     parts = []
     for key in path:

@@ -39,7 +39,7 @@ from astrai.inference.errors import EngineInputError
 from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
 from astrai.inference.grammar import compile_grammar as compile_source
 from astrai.inference.handle import RequestHandle
-from astrai.inference.layout import served_model, should_fuse
+from astrai.inference.layout import layout_difference, served_model, should_fuse
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.inference.plan import ScheduledSeq
@@ -53,7 +53,6 @@ from astrai.io.model import Model
 from astrai.models.decoder import DecoderParams
 from astrai.models.tp import tp_config
 from astrai.ops.attention import pages_needed
-from astrai.tree import leaves
 
 __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "EngineStats"]
 
@@ -296,16 +295,14 @@ class Engine:
         optimizer step): only the cache goes. Call it when no request is in flight (e.g. between rollouts).
 
         Raises:
-            ValueError: `params` differs from the served tree in structure, shape, dtype or device.
+            ValueError: `params` differs from the served tree in structure, shape, stride, dtype or device.
             RuntimeError: requests are in flight, or the engine is tensor parallel (its ranks hold copies).
         """
         if isinstance(self.runner, TPRunner):
             raise RuntimeError("a tensor-parallel engine does not take new weights: its ranks hold their own shards")
-        if params is not None:
-            old, new = leaves(self.model.params), leaves(params)
-            if len(old) != len(new) or any((a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device)
-                                           for a, b in zip(old, new, strict=True)):  # fmt: skip
-                raise ValueError("update_params needs a tree of the served structure, shapes, dtypes and device")
+        if params is not None and (why := layout_difference(self.model.params, params)) is not None:
+            raise ValueError(f"update_params needs a tree of the served structure, shapes, strides, dtypes and "
+                             f"device: {why}")  # fmt: skip
         self.invalidate_prefix_cache()  # refuses while requests are in flight
         if params is not None:
             self.model = attrs.evolve(self.model, params=params)

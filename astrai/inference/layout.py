@@ -14,7 +14,9 @@ import attrs
 import torch
 
 from astrai.io.model import Model
+from astrai.models.decoder import DecoderParams
 from astrai.models.fuse import fuse_projections, fused_bytes
+from astrai.tree import leaves, same_structure
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,19 @@ def should_fuse(model: Model, fuse: bool | None, *, tensor_parallel: bool) -> bo
                        "%.2f GiB (%s)", need / 2**30, free / 2**30, why)  # fmt: skip
         return False
     return True
+
+
+def layout_difference(old: DecoderParams, new: DecoderParams) -> str | None:
+    """What keeps the engine from serving `new` in place of `old` with the steps compiled for `old` (None: nothing):
+    another tree structure, or a leaf of another shape, stride, dtype or device. The compiled steps do not guard
+    on the parameters themselves (`step.without_param_guards`), so this check is what keeps them right."""
+    if not same_structure(old, new):
+        return "another tree structure (layer types, present fields or static values)"
+    for i, (a, b) in enumerate(zip(leaves(old), leaves(new), strict=True)):
+        if (a.shape, a.stride(), a.dtype, a.device) != (b.shape, b.stride(), b.dtype, b.device):
+            return (f"leaf {i}: shape {tuple(b.shape)} stride {b.stride()} {b.dtype} on {b.device}, served "
+                    f"{tuple(a.shape)} stride {a.stride()} {a.dtype} on {a.device}")  # fmt: skip
+    return None
 
 
 def served_model(model: Model, fuse: bool, *, into: Model | None = None) -> Model:

@@ -33,11 +33,12 @@ from astrai.inference import closing
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
 from astrai.inference.grammar import allocate_bitmask, fill_bitmask_batch
 from astrai.inference.graphs import DecodeGraphs
+from astrai.inference.layout import layout_difference
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.sampler import SampleOutput, sample
 from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
-from astrai.inference.step import compile_step, decode_step, prefill_step
+from astrai.inference.step import compile_step, decode_step, prefill_step, without_param_guards
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
@@ -188,10 +189,13 @@ class ModelRunner:
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg, tp=tp)
         # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
         # capture it once per batch bucket
-        self.compiled_decode = compile_step(decode_step, cfg=self.cfg) if compile_steps else None
+        # without guards on the parameters (~0.5 ms per call): set_model checks a new tree against the served one
+        unguarded = {"options": {"guard_filter_fn": without_param_guards}}
+        self.compiled_decode = compile_step(decode_step, cfg=self.cfg, **unguarded) if compile_steps else None
         if compile_prefill is None:  # on CPU the compiled prefill measured no faster and takes long to compile
             compile_prefill = self.cuda
-        self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg) if compile_steps and compile_prefill else None
+        compile_prefill = compile_steps and compile_prefill
+        self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg, **unguarded) if compile_prefill else None
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
         if self.compiled_prefill is not None:
             self.warm_prefill()
@@ -201,7 +205,14 @@ class ModelRunner:
             self.graphs.capture_all([b for b in DECODE_BUCKETS if b < self.graphs.max_rows] + [self.graphs.max_rows])
 
     def set_model(self, model: Model) -> None:
-        """Run `model` (same shapes, new weight tensors) from now on; CUDA graphs bound the old ones: recapture."""
+        """Run `model` (same shapes, new weight tensors) from now on; CUDA graphs bound the old ones: recapture.
+
+        Raises:
+            ValueError: `model`'s tree differs from the served one in structure, shape, stride, dtype or device
+                (the compiled steps do not guard on the parameters, `step.without_param_guards`).
+        """
+        if (why := layout_difference(self.model.params, model.params)) is not None:
+            raise ValueError(f"the engine's compiled steps cannot serve this tree: {why}")
         self.model = model
         if self.pack_weights:
             pack_cpu_weights(model)

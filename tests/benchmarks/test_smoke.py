@@ -37,6 +37,9 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         "bench_packed_linear.py",
         "bench_matvec.py",
         "bench_cpu_attention.py",
+        # ~55 s: compiles two engines' and two bare decode steps; test_fuse_engine.py and test_param_guards.py
+        # (tests/astrai/inference) check both choices themselves
+        pytest.param("bench_step_layout.py", marks=pytest.mark.slow),
         pytest.param("bench_train.py", marks=pytest.mark.slow),
     ],  # ~30 s on 2 cores: compiles three train steps
 )
@@ -67,6 +70,11 @@ def test_smoke_mode_reports_json(script, tmp_path):
         assert report["read_bandwidth_gbs"] > 0
         (mixed,) = report["mixed"]  # the eager mixed step ran both ways and agreed
         assert mixed["on_ms"] > 0 and mixed["off_ms"] > 0 and mixed["max_logit_diff"] < 1e-4
+    elif report.get("benchmark") == "bench_step_layout":  # both A/Bs ran, and each arm computed the same thing
+        (fused,), guards = report["fused_projections"], report["param_guards"]
+        assert fused["same_tokens"] and fused["apart_ms"]["median"] > 0 and fused["fused_ms"]["median"] > 0
+        assert [g["model"] for g in guards] == ["real", "narrow"]
+        assert all(g["identical"] and g["all_guards_us"]["median"] > 0 for g in guards)
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm
