@@ -102,7 +102,7 @@ class ServeConfig(ModelArgs):
     weights' memory once more; skipped when free memory is short)."""
     fuse_projections: Literal["auto", "on", "off"] = "auto"
     """Serve q/k/v and gate/up of each block as one projection each (two GEMMs instead of five per block; costs
-    those weights' memory once more). auto: on CUDA when the copy fits, off on CPU (measured slower there)."""
+    those weights' memory once more). auto: on CUDA when the copy fits, off on CPU (no consistent gain there)."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
     log_level: Annotated[LogLevel, tyro.conf.arg(aliases=("--uvicorn-log-level",), metavar="LEVEL")] = "info"

@@ -49,8 +49,8 @@ class EngineConfig:
     fuse_projections: bool | None = None
     """Serve a copy of the weights with each block's q/k/v and gate/up as one projection (`astrai.models.fuse`):
     two GEMMs instead of five per block and step. It costs those weights' memory once more. None: on CUDA when the
-    copy fits in a quarter of the free device memory, off on CPU (a fused compiled decode step measured slower
-    there, docs/inference.md); ignored under tensor parallel."""
+    copy fits in a quarter of the free device memory, off on CPU (fused compiled decode steps measured no
+    consistent gain there, docs/inference.md); ignored under tensor parallel."""
     seed: int | None = None
     """Seed for the seeds of requests that give none (None: random)."""
     tensor_parallel_size: int = 1

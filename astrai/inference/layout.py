@@ -1,9 +1,9 @@
 """The tree the engine serves: the model's own, or a copy with q/k/v and gate/up fused (`astrai.models.fuse`).
 
 `EngineConfig.fuse_projections` decides: True fuses, False never does, None (the default) fuses on CUDA when the
-copy takes at most a quarter of the free device memory, and never on CPU, where a fused compiled decode step
-measured slower (docs/inference.md, "Fused projections"). A tensor-parallel engine does not fuse: its ranks shard
-the checkpoint layout themselves (`astrai.models.tp`).
+copy takes at most a quarter of the free device memory, and never on CPU, where fused compiled decode steps
+measured no consistent gain (docs/inference.md, "Fused projections"). A tensor-parallel engine does not fuse: its
+ranks shard the checkpoint layout themselves (`astrai.models.tp`).
 """
 
 from __future__ import annotations

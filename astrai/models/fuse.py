@@ -15,8 +15,8 @@ is a copy the engine keeps for serving (`EngineConfig.fuse_projections`), with i
 
 Left as they are: projections with a LoRA adapter, a mix of float and int8 weights, MLA attention, MoE routed
 experts (already one grouped GEMM), the embedding and the LM head. MoE shared experts are fused like an MLP.
-On CPU the engine does not fuse by default: a compiled bf16 decode step of SmolLM2-135M measured slower fused
-(docs/inference.md).
+On CPU the engine does not fuse by default: compiled decode steps of SmolLM2-135M measured -17% to +9% fused,
+with no consistent sign (docs/benchmarks.md, "CPU engine step layout").
 """
 
 from __future__ import annotations
