@@ -66,8 +66,9 @@ def without_param_guards(entries: Sequence[Any]) -> list[bool]:
     """A Dynamo guard filter (`torch.compile(options={"guard_filter_fn": ...})`) that drops every guard on the
     `params` argument: its tensors' dtype/shape/stride, its node types and static fields. Evaluating them cost
     ~0.6 ms per call for a 30-layer model (~1,100 of a decode step's ~1,700 guards; docs/benchmarks.md), paid by
-    every CPU decode step and every compiled prefill step. Only for callers that check a new tree themselves before passing it:
-    the engine (`layout.layout_difference`, from `Engine.update_params` and `ModelRunner.set_model`)."""
+    every CPU decode step and every compiled prefill step. Only for callers that check a new tree themselves
+    before passing it: the engine (`layout.layout_difference`, from `Engine.update_params` and
+    `ModelRunner.set_model`)."""
     return [not _PARAM_SOURCE.match(entry.name) for entry in entries]
 
 
