@@ -48,7 +48,9 @@ def fuse_projections(params: DecoderParams, *, into: DecoderParams | None = None
     if into is not None and len(into.blocks) != len(params.blocks):
         raise ValueError(f"fuse_projections: into has {len(into.blocks)} blocks, params {len(params.blocks)}")
     old = into.blocks if into is not None else (None,) * len(params.blocks)
-    with torch.no_grad():  # a serving copy: never part of a trainer's autograd graph, even from tensors that are
+    # a serving copy: never part of a trainer's autograd graph, and a normal tensor even when made under
+    # inference_mode, so a later in-place refresh (`into=`) outside it is allowed
+    with torch.inference_mode(False), torch.no_grad():
         blocks = tuple(_fuse_block(block, was) for block, was in zip(params.blocks, old, strict=True))
     return replace(params, blocks=blocks)
 

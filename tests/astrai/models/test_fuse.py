@@ -164,3 +164,14 @@ def test_trainer_tensors_give_a_copy_outside_autograd():
     fuse_projections(params, into=served)
     rows = params.blocks[0].attn.q_proj.weight.shape[0]
     assert torch.equal(qkv[:rows], params.blocks[0].attn.q_proj.weight.detach())
+
+
+def test_a_copy_made_under_inference_mode_takes_later_refreshes():
+    cfg = configs()["llama"]
+    params = init_params(cfg, seed=10)
+    with torch.inference_mode():  # e.g. an engine built inside a caller's inference_mode block
+        served = fuse_projections(params)
+    assert not served.blocks[0].attn.qkv_proj.weight.is_inference()
+    fuse_projections(params, into=served)  # outside it: an in-place copy into the served tensors
+    tokens = _tokens(cfg)
+    assert _close(forward(served, cfg, tokens), forward(params, cfg, tokens))
