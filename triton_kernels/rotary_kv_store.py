@@ -107,6 +107,9 @@ def _check(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"slot_mapping [{q.shape[0]}] int64 expected, got {tuple(slot_mapping.shape)} "
                          f"{slot_mapping.dtype}")  # fmt: skip
+    others = dict(k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if wrong := [name for name, t in others.items() if t.device != q.device]:
+        raise ValueError(f"{', '.join(wrong)} not on q's device {q.device}")
     check_last_dim_contiguous(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.triton_kernels import rotary_kv_store as rotary_kv_store_module
 from astrai.triton_kernels.kv_store import kv_store_
 from astrai.triton_kernels.rotary import rotary
 from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_, rotary_kv_store_ref_
@@ -84,6 +85,10 @@ def test_refusals_name_the_argument():
         rotary_kv_store_(q, k, v, cos, sin, kc[:, :1], vc[:, :1], slots)
     with pytest.raises(ValueError, match="k and v"):
         rotary_kv_store_(q, k, v[:, :1], cos, sin, kc, vc, slots)
+    # a second device: "meta" on a CPU-only machine (the op itself would dispatch a meta input to its fake
+    # implementation, so the launcher's check is called directly)
+    with pytest.raises(ValueError, match="slot_mapping not on q's device"):
+        rotary_kv_store_module._check(q, k, v, cos, sin, kc, vc, slots.to("meta"))
 
 
 def test_opcheck():
