@@ -65,7 +65,7 @@ _PARAM_SOURCE = re.compile(r"(type\()?params\b")  # guards on the `params` argum
 def without_param_guards(entries: Sequence[Any]) -> list[bool]:
     """A Dynamo guard filter (`torch.compile(options={"guard_filter_fn": ...})`) that drops every guard on the
     `params` argument: its tensors' dtype/shape/stride, its node types and static fields. Evaluating them cost
-    ~0.6 ms per call for a 30-layer model (~1,100 of a decode step's ~1,700 guards; docs/benchmarks.md), paid by
+    ~0.6 ms per call for a 30-layer model (~1,240 of a decode step's ~1,720 guards; docs/benchmarks.md), paid by
     every CPU decode step and every compiled prefill step. Only for callers that check a new tree themselves
     before passing it: the engine (`layout.layout_difference`, from `Engine.update_params` and
     `ModelRunner.set_model`)."""
