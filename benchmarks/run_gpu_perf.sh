@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check of issue 16 (performance), run on a CUDA machine from the repo root in <= 10 minutes (590 s of stage timeouts):
+# One prepared GPU check of issue 16 (performance), run on a CUDA machine from the repo root in <= 10 minutes
+# (its stage timeouts add up to 590 s):
 # the long-context compiled decode-attention test (autotuning on, which run_gpu.sh's `-k "not compile"` skips),
 # the compiled-prefill and overlap-schedule tests on CUDA (compiled prefill is on by default there, measured only
 # on CPU so far; the overlap test checks that launching a decode step never syncs the host), the fused MoE kernel
