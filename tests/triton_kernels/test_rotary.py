@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astrai.triton_kernels.rotary import rotary, rotary_ref
-from helpers import TOLERANCES, assert_close
+from helpers import TOLERANCES, assert_close, assert_compiles_for_gpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = list(TOLERANCES)
@@ -179,3 +179,34 @@ def test_gpu_int64_token_offsets(interleaved: bool) -> None:
     atol, rtol = TOLERANCES[torch.bfloat16]
     assert_close(q_out[tail], q_ref, atol=atol, rtol=rtol, msg="q tail")
     assert_close(k_out[tail], k_ref, atol=atol, rtol=rtol, msg="k tail")
+
+
+# The GPU variants (16-bit and fp32, half and interleaved, forward and inverse, with and without a positions
+# table, a padded head dim) compiled to PTX/cubin for sm_80 and sm_90 without a device: the interpreter accepts
+# programs the compiler rejects.
+_AOT_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from astrai.triton_kernels.rotary import _rotary_kernel as fn, block_sizes
+
+for dt, interleaved, inverse, positions, tokens, dim in [("bf16", False, False, True, 1, 64),
+                                                         ("fp16", True, True, False, 512, 128),
+                                                         ("fp32", False, True, True, 7, 10)]:
+    block_t, block_h = block_sizes(tokens, 8, 2, dim)
+    types = {n: "*" + dt for n in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr")}
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64")
+    consts = dict(HAS_POSITIONS=positions, INTERLEAVED=interleaved, INVERSE=inverse, HALF=dim // 2,
+                  HALF_PAD=triton.next_power_of_2(dim // 2), BLOCK_T=block_t, BLOCK_H=block_h)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    for arch in (80, 90):
+        try:
+            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=4, enable_fp_fusion=True))
+        except Exception as e:
+            raise SystemExit(f"sm_{arch} {dt} {consts}: {e}")
+"""
+
+
+def test_compiles_for_gpu_targets() -> None:
+    assert_compiles_for_gpu(_AOT_SCRIPT)

@@ -15,7 +15,7 @@ from astrai.triton_kernels import rotary_kv_store as rotary_kv_store_module
 from astrai.triton_kernels.kv_store import kv_store_
 from astrai.triton_kernels.rotary import rotary
 from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_, rotary_kv_store_ref_
-from helpers import DEVICE, TOLERANCES, assert_close
+from helpers import DEVICE, TOLERANCES, assert_close, assert_compiles_for_gpu
 
 # (H, K, D): GQA 4, MQA, MHA, and a head dim whose half is not a power of two
 SHAPES = [(8, 2, 64), (4, 1, 32), (3, 3, 10)]
@@ -95,3 +95,35 @@ def test_opcheck():
     q, k, v, cos, sin, (kc, vc), slots = _inputs(4, 2, 16, torch.float32)
     torch.library.opcheck(torch.ops.astrai.rotary_kv_store_.default, (q, k, v, cos, sin, kc, vc, slots, False),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+# The GPU variants (16-bit and fp32 q/k/v into pools of their dtype, half and interleaved rotation, a padded head
+# dim, the block sizes the launcher picks for one decode row and for a prefill chunk) compiled to PTX/cubin for
+# sm_80 and sm_90 without a device: the CPU suite otherwise only runs the interpreter, which accepts programs
+# the compiler rejects. Names the kernel and variant that fails.
+_AOT_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from astrai.triton_kernels.rotary import block_sizes
+from astrai.triton_kernels.rotary_kv_store import _rotary_kv_store_kernel as fn
+
+for dt, interleaved, tokens, heads, kv_heads, dim in [("bf16", False, 1, 9, 3, 64), ("fp16", True, 512, 32, 8, 128),
+                                                      ("fp32", False, 7, 4, 4, 10), ("bf16", True, 3, 16, 1, 80)]:
+    block_t, block_h = block_sizes(tokens, heads, kv_heads, dim)
+    types = {n: "*" + dt for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64")
+    consts = dict(INTERLEAVED=interleaved, HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
+                  BLOCK_T=block_t, BLOCK_H=block_h)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    for arch in (80, 90):
+        try:
+            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=4, enable_fp_fusion=True))
+        except Exception as e:
+            raise SystemExit(f"sm_{arch} {dt} interleaved={interleaved} {consts}: {e}")
+"""
+
+
+def test_compiles_for_gpu_targets():
+    assert_compiles_for_gpu(_AOT_SCRIPT)
