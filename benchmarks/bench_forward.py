@@ -6,8 +6,12 @@ For each config (SmolLM2-135M-shaped, Qwen2.5-0.5B-shaped) and dtype it measures
   compiled; the × column compares the path the engine runs on CPU (eager prefill, compiled decode), with the
   engine's oneDNN weight packs (`EngineConfig.pack_weights`);
 - batch-1 greedy decode tok/s over `--decode-tokens` steps with a KV cache: transformers (DynamicCache),
-  astrai eager `decode_step`, and astrai `torch.compile`d `decode_step`;
-- the decode roofline fraction: bytes of weights read per token x tok/s / measured memory read bandwidth.
+  astrai eager `decode_step`, and astrai `torch.compile`d `decode_step` compiled as the engine compiles it
+  (`step.SERVED_STEP_OPTIONS`: no guards on the parameters, no wrapper asserts);
+- the decode roofline fraction: bytes of weights read per token x tok/s / measured memory read bandwidth. The
+  box's bandwidth moves by ±30% between minutes, so besides the fraction against the probe taken at the start,
+  each compiled decode run is paired with a probe taken just before it (best of 3 sums): the paired fractions'
+  median and min-max are reported too.
 
 Prints a rich table and writes JSON (also the last stdout line). `--smoke` runs a tiny config in seconds.
 Usage: python benchmarks/bench_forward.py [--configs smollm2-135m qwen2.5-0.5b] [--dtypes float32 bfloat16]
@@ -16,6 +20,7 @@ Usage: python benchmarks/bench_forward.py [--configs smollm2-135m qwen2.5-0.5b] 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -31,7 +36,7 @@ import astrai
 from astrai.configs.models import NAMED
 from astrai.inference.cache import init_kv_cache, make_attn_meta
 from astrai.inference.runner import pack_cpu_weights
-from astrai.inference.step import compile_step, decode_step, prefill_step
+from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, decode_step, prefill_step
 from astrai.io.hf import config_to_hf
 from astrai.ops.attention import pages_needed
 
@@ -86,14 +91,19 @@ def hf_prefill_decode(hf, prompt: torch.Tensor, steps: int, repeats: int) -> tup
     return prompt.numel() / statistics.median(prefill_times), statistics.median(decode_rates)
 
 
-def astrai_prefill_decode(model, prompt: torch.Tensor, steps: int, repeats: int, compiled: bool):
-    """(prefill tok/s, decode tok/s) of astrai's paged steps, greedy; `compiled` wraps them in torch.compile."""
+def astrai_prefill_decode(model, prompt: torch.Tensor, steps: int, repeats: int, compiled: bool, probe=None):
+    """(prefill tok/s, decode tok/s, [(decode tok/s, GB/s probed just before)]) of astrai's paged steps, greedy;
+    `compiled` wraps them in torch.compile with the engine's options. `probe` (a bandwidth probe, GB/s) runs
+    before each counted decode run; the pairs list is empty without it."""
     cfg, page = model.config, 16
     pages = [list(range(1, 1 + pages_needed(prompt.numel() + steps + 2, page)))]
-    prefill = compile_step(prefill_step, cfg=cfg) if compiled else (lambda *a: prefill_step(*a, cfg=cfg))
-    decode = compile_step(decode_step, cfg=cfg) if compiled else (lambda *a: decode_step(*a, cfg=cfg))
+    if compiled:
+        prefill = compile_step(prefill_step, cfg=cfg, options=SERVED_STEP_OPTIONS)
+        decode = compile_step(decode_step, cfg=cfg, options=SERVED_STEP_OPTIONS)
+    else:
+        prefill, decode = (lambda *a: prefill_step(*a, cfg=cfg)), (lambda *a: decode_step(*a, cfg=cfg))
     n = prompt.numel()
-    prefill_times, decode_rates = [], []
+    prefill_times, decode_rates, pairs = [], [], []
     for rep in range(repeats + (1 if compiled else 0)):  # one extra warm-up run pays the compile
         cache = init_kv_cache(cfg, len(pages[0]) + 1, page, dtype=model.dtype, device="cpu")
         meta = make_attn_meta(pages, [0], [n], page_size=page, device="cpu")
@@ -102,14 +112,18 @@ def astrai_prefill_decode(model, prompt: torch.Tensor, steps: int, repeats: int,
         elapsed = time.perf_counter() - start
         token = logits.argmax(-1)
         metas = [make_attn_meta(pages, [n + i], [1], page_size=page, device="cpu", decode=True) for i in range(steps)]
+        counted = not (compiled and rep == 0)
+        probed = probe() if probe is not None and counted else None
         start = time.perf_counter()
         for meta in metas:
             token = decode(model.params, token, meta, cache).argmax(-1)
         rate = steps / (time.perf_counter() - start)
-        if not (compiled and rep == 0):
+        if counted:
             prefill_times.append(elapsed)
             decode_rates.append(rate)
-    return n / statistics.median(prefill_times), statistics.median(decode_rates)
+            if probed is not None:
+                pairs.append((rate, probed))
+    return n / statistics.median(prefill_times), statistics.median(decode_rates), pairs
 
 
 def decode_weight_bytes(model) -> int:
@@ -136,10 +150,14 @@ def run(args) -> dict:
                 console.print(f"[dim]{name} {dtype_name}: transformers...[/]")
                 hf_pre, hf_dec = hf_prefill_decode(hf, prompt, args.decode_tokens, args.repeats)
                 console.print(f"[dim]{name} {dtype_name}: astrai eager...[/]")
-                ea_pre, ea_dec = astrai_prefill_decode(model, prompt, args.decode_tokens, args.repeats, False)
+                ea_pre, ea_dec, _ = astrai_prefill_decode(model, prompt, args.decode_tokens, args.repeats, False)
                 console.print(f"[dim]{name} {dtype_name}: astrai compiled (includes a compile)...[/]")
-                co_pre, co_dec = astrai_prefill_decode(model, prompt, args.decode_tokens, args.repeats, True)
+                probe = functools.partial(memory_bandwidth_gbs, 256 if args.smoke else 1024, 3)
+                co_pre, co_dec, pairs = astrai_prefill_decode(
+                    model, prompt, args.decode_tokens, args.repeats, True, probe=probe
+                )
                 weight_bytes = decode_weight_bytes(model)
+                paired = [weight_bytes * rate / (gbs * 1e9) for rate, gbs in pairs]
                 results.append(
                     dict(
                         config=name,
@@ -157,6 +175,10 @@ def run(args) -> dict:
                         weight_bytes_per_token=weight_bytes,
                         roofline_fraction=weight_bytes * co_dec / (bandwidth * 1e9),
                         hf_roofline_fraction=weight_bytes * hf_dec / (bandwidth * 1e9),
+                        paired_runs=[dict(decode_tok_s=rate, read_gbs=gbs) for rate, gbs in pairs],
+                        paired_roofline_fraction=dict(
+                            median=statistics.median(paired), min=min(paired), max=max(paired)
+                        ),
                     )
                 )
                 del hf, model
@@ -188,6 +210,7 @@ def print_table(report: dict) -> None:
         "decode compiled",
         "×",
         "roofline astrai",
+        "paired (min-max)",
         "roofline HF",
     ):
         table.add_column(col, justify="right")
@@ -204,12 +227,15 @@ def print_table(report: dict) -> None:
             f"{r['astrai_compiled_decode_tok_s']:.1f}",
             f"{r['decode_speedup']:.2f}",
             f"{r['roofline_fraction']:.0%}",
+            "{median:.0%} ({min:.0%}-{max:.0%})".format(**r["paired_roofline_fraction"]),
             f"{r['hf_roofline_fraction']:.0%}",
         )
     console.print(table)
     console.print(
         "[dim]tok/s; × = astrai as the engine runs it on CPU (eager prefill, compiled decode, packed "
-        "weights) / transformers, measured side by side in this run[/]"
+        "weights) / transformers, measured side by side in this run; roofline: weight bytes per token x compiled "
+        "decode tok/s / read bandwidth, against the probe at the start and, paired, each run against a probe taken "
+        "just before it[/]"
     )
 
 

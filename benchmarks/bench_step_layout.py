@@ -4,11 +4,12 @@
     and gate/up fused, one the checkpoint layout. Each round submits R prompts of `--context` tokens to each
     engine in turn and records the median decode-step time once every row decodes; the same greedy tokens are
     checked. The path users take: `Engine` steps, compiled decode (as `astrai serve` runs it).
-(b) **Guards on the parameters** (`step.without_param_guards`): the compiled decode step called directly, with
-    Dynamo's guards on the `params` argument and without (what the engine compiles), alternating in blocks of
-    20 calls; on the model, and on a narrow model of the same tree (`narrow_config`: same layers and leaves, so
-    the same guards, with kernels that take ~nothing), which isolates the guards' cost from the box's noise.
-    The logits must be identical.
+(b) **Per-call checks** (`step.SERVED_STEP_OPTIONS`): the compiled decode step called directly, three ways,
+    alternating in blocks of 20 calls: with every Dynamo guard and inductor's size asserts (the default); without
+    the guards on the `params` argument (`step.without_param_guards`); and as the engine compiles it, also
+    without the wrapper's size/stride/alignment asserts. On the model, and on a narrow model of the same tree
+    (`narrow_config`: same layers and leaves, so the same guards and asserts, with kernels that take ~nothing),
+    which isolates the checks' cost from the box's noise. The logits must be identical.
 
 Median of `--rounds` (min-max). Prints rich tables and the JSON report as the last stdout line, also written
 to `--out`. `--smoke`: the tiny config, seconds (CI). On CUDA, (a) is `profile_step.py --fuse-projections
@@ -31,7 +32,7 @@ from astrai.configs.models import NAMED, tiny
 from astrai.inference.cache import init_kv_cache, make_attn_meta
 from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.params import SamplingParams
-from astrai.inference.step import compile_step, decode_step, without_param_guards
+from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, decode_step, without_param_guards
 from astrai.io.model import Model
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import init_params
@@ -77,12 +78,14 @@ def fused_ab(model: Model, rows: int, context: int, new: int, rounds: int) -> di
 
 
 def guards_ab(model: Model, context: int, rounds: int) -> dict:
-    """(b): µs per compiled decode call with and without the guards on the parameters (batch 1)."""
+    """(b): µs per compiled decode call (batch 1) with every check, without the guards on the parameters, and
+    as the engine compiles it (no parameter guards, no wrapper asserts)."""
     cfg, params = model.config, model.params
     unguarded = {"guard_filter_fn": without_param_guards}
     steps = {
         "all": compile_step(decode_step, cfg=cfg),
         "unguarded": compile_step(decode_step, cfg=cfg, options=unguarded),
+        "served": compile_step(decode_step, cfg=cfg, options=SERVED_STEP_OPTIONS),
     }
     page = 16
     pages = -(-(context + 1) // page)
@@ -101,10 +104,11 @@ def guards_ab(model: Model, context: int, rounds: int) -> dict:
                 for _ in range(20):
                     step(params, tokens, meta, cache)
                 times[name].append(1e6 * (time.perf_counter() - start) / 20)
-    guarded, unguarded = _spread(times["all"]), _spread(times["unguarded"])
-    identical = torch.equal(*logits.values())
-    return {"context": context, "all_guards_us": guarded, "no_param_guards_us": unguarded,
-            "saved_us": guarded["median"] - unguarded["median"], "identical": identical}  # fmt: skip
+    guarded, unguarded, served = (_spread(times[k]) for k in ("all", "unguarded", "served"))
+    identical = all(torch.equal(logits["all"], other) for other in logits.values())
+    return {"context": context, "all_guards_us": guarded, "no_param_guards_us": unguarded, "served_us": served,
+            "saved_us": guarded["median"] - unguarded["median"],
+            "asserts_saved_us": unguarded["median"] - served["median"], "identical": identical}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table(f"(a) decode step ms, {args.config}: q/k/v and gate/up apart vs fused (median of "
                         f"{args.rounds})", flat, [("dtype", "s"), ("rows", "d"), ("apart", ".2f"), ("fused", ".2f"),
                                                   ("apart_over_fused", ".3f"), ("same_tokens", "")]))  # fmt: skip
-    flat = [{**r, "all": r["all_guards_us"]["median"], "unguarded": r["no_param_guards_us"]["median"]}
-            for r in guard_rows]  # fmt: skip
-    title = f"(b) compiled decode call µs, batch 1: all guards vs none on the parameters (median of {args.rounds}"
-    columns = [("dtype", "s"), ("model", "s"), ("all", ".0f"), ("unguarded", ".0f"), ("saved_us", ".0f"),
-               ("identical", "")]  # fmt: skip
+    flat = [{**r, "all": r["all_guards_us"]["median"], "unguarded": r["no_param_guards_us"]["median"],
+             "served": r["served_us"]["median"]} for r in guard_rows]  # fmt: skip
+    title = (f"(b) compiled decode call µs, batch 1: every check / no guards on the parameters / also no wrapper "
+             f"asserts (the engine's) (median of {args.rounds}")  # fmt: skip
+    columns = [("dtype", "s"), ("model", "s"), ("all", ".0f"), ("unguarded", ".0f"), ("served", ".0f"),
+               ("saved_us", ".0f"), ("asserts_saved_us", ".0f"), ("identical", "")]  # fmt: skip
     console.print(table(title + " x 20 calls; narrow: 3x the rounds)", flat, columns))
     emit({"benchmark": "bench_step_layout", "config": "tiny" if args.smoke else args.config,
           "torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": args.rounds,

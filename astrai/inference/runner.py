@@ -38,7 +38,7 @@ from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.sampler import SampleOutput, sample
 from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
-from astrai.inference.step import compile_step, decode_step, prefill_step, without_param_guards
+from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
@@ -189,8 +189,9 @@ class ModelRunner:
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg, tp=tp)
         # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
         # capture it once per batch bucket
-        # without guards on the parameters (~0.6 ms per call): set_model checks a new tree against the served one
-        unguarded = {"options": {"guard_filter_fn": without_param_guards}}
+        # without guards on the parameters (~0.6 ms per call; set_model checks a new tree against the served one)
+        # nor the wrapper's size asserts (~0.25 ms): `step.SERVED_STEP_OPTIONS`
+        unguarded = {"options": SERVED_STEP_OPTIONS}
         self.compiled_decode = compile_step(decode_step, cfg=self.cfg, **unguarded) if compile_steps else None
         if compile_prefill is None:  # on CPU the compiled prefill measured no faster and takes long to compile
             compile_prefill = self.cuda

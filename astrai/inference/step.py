@@ -72,6 +72,18 @@ def without_param_guards(entries: Sequence[Any]) -> list[bool]:
     return [not _PARAM_SOURCE.match(entry.name) for entry in entries]
 
 
+# The `torch.compile` options of the engine's compiled steps. Besides the parameters' guards, they drop the
+# size/stride/alignment asserts inductor's Python wrapper makes on every graph input and opaque op output each
+# call (~370 asserts for a 30-layer decode step, ~0.25 ms on the CPU; docs/benchmarks.md). They re-check what is
+# already checked: the parameters by the engine's layout check, every other input by Dynamo's guards, and the
+# custom ops' outputs by their fakes, which `opcheck` holds against the real kernels.
+SERVED_STEP_OPTIONS: dict[str, Any] = {
+    "guard_filter_fn": without_param_guards,
+    "size_asserts": False,
+    "alignment_asserts": False,
+}
+
+
 def compile_step(fn: Callable[..., Any], *, cfg: ModelConfig, mode: str | None = None, **kwargs: Any) -> Callable:
     """`fn` with `cfg` bound, under `torch.compile(fullgraph=True)`; `mode` e.g. "reduce-overhead" for CUDA graphs.
 

@@ -74,7 +74,7 @@ def test_smoke_mode_reports_json(script, tmp_path):
         (fused,), guards = report["fused_projections"], report["param_guards"]
         assert fused["same_tokens"] and fused["apart_ms"]["median"] > 0 and fused["fused_ms"]["median"] > 0
         assert [g["model"] for g in guards] == ["real", "narrow"]
-        assert all(g["identical"] and g["all_guards_us"]["median"] > 0 for g in guards)
+        assert all(g["identical"] and g["all_guards_us"]["median"] > 0 and g["served_us"]["median"] > 0 for g in guards)
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm

@@ -16,7 +16,7 @@ from astrai.configs.models import tiny
 from astrai.inference.cache import init_kv_cache, make_attn_meta
 from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.layout import layout_difference
-from astrai.inference.step import compile_step, decode_step, without_param_guards
+from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, decode_step, without_param_guards
 from astrai.io.model import Model
 from astrai.models.decoder import init_params
 from astrai.nn.lora import LoRAConfig, apply_lora, init_lora
@@ -53,7 +53,7 @@ def test_the_filter_drops_exactly_the_parameter_guards():
 def test_a_tree_of_the_served_layout_runs_the_compiled_graph_with_its_own_values():
     cfg = tiny(vocab_size=97)
     a, b = init_params(cfg, seed=0), init_params(cfg, seed=1)
-    step = compile_step(decode_step, cfg=cfg, options={"guard_filter_fn": without_param_guards})
+    step = compile_step(decode_step, cfg=cfg, options=SERVED_STEP_OPTIONS)
     tokens, meta, cache = _decode_inputs(cfg)
     torch._dynamo.utils.counters.clear()
     with torch.inference_mode():
@@ -62,6 +62,24 @@ def test_a_tree_of_the_served_layout_runs_the_compiled_graph_with_its_own_values
         ref_b = decode_step(b, tokens, meta, cache, cfg=cfg)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompile for new tensors
     assert (got_b - ref_b).abs().max() <= 1e-5 and not torch.allclose(got_a, got_b)
+
+
+def test_the_served_steps_drop_the_wrappers_size_asserts():
+    # inductor's wrapper asserts every input's size and stride per call unless told not to; the served options
+    # turn that off (the engine checks the parameters, Dynamo's guards the rest). Negative control: the default.
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = tiny(vocab_size=97)
+    params, (tokens, meta, cache) = init_params(cfg, seed=0), _decode_inputs(cfg)
+    codes = {}
+    with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+        for name, options in (("default", None), ("served", SERVED_STEP_OPTIONS)):
+            step = compile_step(decode_step, cfg=cfg, options=options)
+            out, source = run_and_get_code(step, params, tokens, meta, cache)
+            codes[name] = "\n".join(source)
+            assert (out - decode_step(params, tokens, meta, cache, cfg=cfg)).abs().max() <= 1e-5
+    assert "assert_size_stride(" in codes["default"]
+    assert "assert_size_stride(" not in codes["served"] and "assert_alignment(" not in codes["served"]
 
 
 def test_trees_of_another_layout_are_refused_by_name():
