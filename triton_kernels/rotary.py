@@ -42,9 +42,14 @@ def rotate_block(
     stride_x_t, stride_x_h, stride_o_t, stride_o_h, stride_cos_r, stride_sin_r, stride_pos_t,
     HAS_POSITIONS: tl.constexpr, HAS_SLOTS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    w_ptr=None, eps=0.0, HAS_NORM: tl.constexpr = False, ROUND_NORM: tl.constexpr = False,
 ):  # fmt: skip
     # Rotate rows (t0 + r // BLOCK_H, h0 + r % BLOCK_H) of x [T, heads, D] into o [T, heads, D], or with
     # HAS_SLOTS into o [S, heads, D] at row slot[t] (a paged KV pool; a negative slot writes nothing).
+    # HAS_NORM first RMS-normalises each row with the gain w [D] (qwen3's per-head q/k norm), rounding as
+    # `nn.norm.rms_norm` does: the normalised row to x's dtype, and the gain's product too when ROUND_NORM (the
+    # gain in x's dtype) -- products of two 16-bit values are exact in fp32, so fp32 math then one rounding is
+    # the 16-bit multiply.
     rows = tl.arange(0, BLOCK_T * BLOCK_H)
     tok = t0 + rows // BLOCK_H  # [ROWS] int64
     head = h0 + rows % BLOCK_H
@@ -80,14 +85,34 @@ def rotate_block(
         if HALF != HALF_PAD:
             mask = mask & (d[None, :] < 2 * HALF)
         x = tl.load(x_row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)  # [ROWS, 2 * HALF_PAD]
+        if HAS_NORM:
+            w = tl.load(w_ptr + d, mask=d < 2 * HALF, other=0.0).to(tl.float32)
+            x = _rms_normed(x, tl.sum(x * x, 1), w, eps, 2 * HALF, x_ptr.dtype.element_ty, ROUND_NORM)
         x1, x2 = tl.split(tl.reshape(x, [BLOCK_T * BLOCK_H, HALF_PAD, 2]))  # even, odd: [ROWS, HALF_PAD]
         out = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [BLOCK_T * BLOCK_H, 2 * HALF_PAD])
         tl.store(o_row[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
     else:
         x1 = tl.load(x_row[:, None] + i[None, :], mask=cs_mask, other=0.0).to(tl.float32)  # [ROWS, HALF_PAD]
         x2 = tl.load(x_row[:, None] + HALF + i[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            squares = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+            w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+            x1 = _rms_normed(x1, squares, w1, eps, 2 * HALF, x_ptr.dtype.element_ty, ROUND_NORM)
+            x2 = _rms_normed(x2, squares, w2, eps, 2 * HALF, x_ptr.dtype.element_ty, ROUND_NORM)
         tl.store(o_row[:, None] + i[None, :], (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=cs_mask)
         tl.store(o_row[:, None] + HALF + i[None, :], (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=cs_mask)
+
+
+@triton.jit
+def _rms_normed(x, squares, w, eps, DIM: tl.constexpr, X_DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr):
+    # x [ROWS, N] fp32 (part of rows whose squares sum to `squares` [ROWS]), w [N] fp32 -> fp32 values of
+    # `w * (x * rsqrt(mean(x^2) + eps)).to(X_DTYPE)`, rounded to X_DTYPE when ROUND_NORM.
+    normed = (x * tl.math.rsqrt(squares / DIM + eps)[:, None]).to(X_DTYPE).to(tl.float32)
+    out = normed * w[None, :]
+    if ROUND_NORM:
+        out = out.to(X_DTYPE).to(tl.float32)
+    return out
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 
 Order of operations follows transformers (llama, mistral, qwen2, qwen3): project, split heads, per-head
 RMSNorm on q and k (qwen3), rotate, attend, merge heads, output projection. With a KV cache the new K/V are
-written into the pool first (rotation and store are one kernel on CUDA, `ops.rotary.rotary_kv_store_`) and
-attention reads everything (prefix and new tokens) from the pool.
+written into the pool first (qk-norm, rotation and store are one kernel on CUDA, `ops.rotary.rotary_kv_store_`)
+and attention reads everything (prefix and new tokens) from the pool.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def attention(
     else:
         q, k, v = linear_group((p.q_proj, p.k_proj, p.v_proj), x)
     q, k, v = q.view(*lead, heads, dim), k.view(*lead, kv_heads, dim), v.view(*lead, kv_heads, dim)
-    if p.q_norm is not None and p.k_norm is not None:
+    qk_norm = p.q_norm is not None and p.k_norm is not None
+    if qk_norm and kv is None:  # paged layers normalise inside rotary_kv_store_ (one launch on CUDA)
         q, k = rms_norm(p.q_norm, q, eps=shape.norm_eps), rms_norm(p.k_norm, k, eps=shape.norm_eps)
     # rotary works on flat tokens: [B*T, heads, D]
     q, k, v = q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim)
@@ -144,7 +145,8 @@ def attention(
     else:
         if meta is None:
             raise ValueError("paged attention needs AttnMeta together with the KV cache")
-        # rotate, and store the new K/V into the pool: one kernel on CUDA
-        q = rotary_kv_store_(q, k, v, cos, sin, kv, meta.slot_mapping, interleaved=shape.interleaved_rope)
+        # normalise q and k (qwen3), rotate, and store the new K/V into the pool: one kernel on CUDA
+        norms = {"q_norm": p.q_norm.weight, "k_norm": p.k_norm.weight, "eps": shape.norm_eps} if qk_norm else {}
+        q = rotary_kv_store_(q, k, v, cos, sin, kv, meta.slot_mapping, interleaved=shape.interleaved_rope, **norms)
         out = paged_attention(q, kv[0], kv[1], meta, scale=shape.scale, window=shape.window)
     return linear(p.o_proj, out.reshape(*lead, heads * dim))

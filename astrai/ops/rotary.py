@@ -37,22 +37,30 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool 
 
 def rotary_kv_store_(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], slot_mapping: Tensor,
-    *, interleaved: bool = False,
+    *, interleaved: bool = False, q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """Rotate q and k, write the rotated k and v into the pools `kv` at `slot_mapping` (in place; a negative slot
     writes nothing), and return the rotated q: `rotary` then `kv_store_`, in one Triton launch on CUDA
-    (`triton_kernels/rotary_kv_store.py`), the two steps elsewhere.
+    (`triton_kernels/rotary_kv_store.py`), the two steps elsewhere. With `q_norm` and `k_norm` (qwen3's per-head
+    RMSNorm gains [D], epsilon `eps`) q and k are normalised first, in the same launch on CUDA.
 
     Args:
         q: [T, H, D]; k, v: [T, K, D] (any token/head strides, e.g. views of a fused qkv projection).
         cos, sin: [T, D/2] float32 per-token tables.
         kv: (k_cache, v_cache) pools [S, K, D] of this layer.
         slot_mapping: [T] int64 pool slot per token.
+        q_norm, k_norm: RMSNorm gains [D] of q and k (both or neither), in q's dtype or float32.
     """
     if attn_backend(q) == "triton":
         from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_ as fused_kernel_
 
-        return fused_kernel_(q, k, v, cos, sin, kv[0], kv[1], slot_mapping, interleaved)
+        return fused_kernel_(q, k, v, cos, sin, kv[0], kv[1], slot_mapping, interleaved, q_norm, k_norm, eps)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together: pass both gains or neither")
+    if q_norm is not None:
+        from astrai.triton_kernels.rotary_kv_store import rms_norm_ref
+
+        q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
     q, k = rotary(q, k, cos, sin, interleaved=interleaved)
     kv_store_(kv[0], kv[1], k, v, slot_mapping)
     return q

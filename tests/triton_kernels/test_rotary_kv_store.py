@@ -95,6 +95,62 @@ def test_opcheck():
     q, k, v, cos, sin, (kc, vc), slots = _inputs(4, 2, 16, torch.float32)
     torch.library.opcheck(torch.ops.astrai.rotary_kv_store_.default, (q, k, v, cos, sin, kc, vc, slots, False),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    gains = _gains(16, torch.float32)
+    torch.library.opcheck(torch.ops.astrai.rotary_kv_store_.default,
+                          (q, k, v, cos, sin, kc, vc, slots, False, *gains, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+def _gains(head_dim, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((0.5 + torch.rand(head_dim, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("gain_dtype", ["q's", "float32"])
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_qk_norm_equals_the_reference(shape, interleaved, dtype, gain_dtype):
+    """qwen3's per-head q/k RMSNorm in the same launch: the reference normalises with `nn.norm.rms_norm`'s math
+    first. Negative control: without the gains the kernel gives another q and k pool."""
+    q, k, v, cos, sin, (k_pool, v_pool), slots = _inputs(*shape, dtype)
+    q_norm, k_norm = _gains(shape[2], dtype if gain_dtype == "q's" else torch.float32)
+    kc, vc, kc_ref, vc_ref = k_pool.clone(), v_pool.clone(), k_pool.clone(), v_pool.clone()
+    q_out = rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots, interleaved, q_norm, k_norm, 1e-6)
+    q_ref = rotary_kv_store_ref_(q, k, v, cos, sin, kc_ref, vc_ref, slots, interleaved, q_norm, k_norm, 1e-6)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(q_out, q_ref, atol=atol, rtol=rtol, msg="q")
+    assert_close(kc, kc_ref, atol=atol, rtol=rtol, msg="k pool")
+    assert torch.equal(vc, vc_ref)  # v is copied, never normalised
+    kc_plain = k_pool.clone()
+    q_plain = rotary_kv_store_(q, k, v, cos, sin, kc_plain, v_pool.clone(), slots, interleaved)
+    assert not torch.allclose(q_plain.float(), q_out.float(), atol=atol, rtol=rtol)
+    assert not torch.allclose(kc_plain.float(), kc.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_norm_reference_is_the_models_rms_norm(dtype):
+    from astrai.nn.norm import RMSNormParams, rms_norm
+
+    x = torch.randn(5, 3, 16).to(dtype)
+    for weight in (_gains(16, dtype)[0].cpu(), _gains(16, torch.float32)[0].cpu()):
+        assert torch.equal(rotary_kv_store_module.rms_norm_ref(x, weight, 1e-6),
+                           rms_norm(RMSNormParams(weight=weight), x, eps=1e-6))  # fmt: skip
+
+
+def test_norm_refusals_name_the_argument():
+    q, k, v, cos, sin, (kc, vc), slots = _inputs(4, 2, 16, torch.float32)
+    q_norm, k_norm = _gains(16, torch.float32)
+    with pytest.raises(ValueError, match="both gains or neither"):
+        rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots, False, q_norm, None, 1e-6)
+    with pytest.raises(ValueError, match=r"q_norm and k_norm \[16\]"):
+        rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots, False, q_norm[:8], k_norm[:8], 1e-6)
+    with pytest.raises(ValueError, match="norm gains in q's dtype"):
+        half = (q_norm.half(), k_norm.half())
+        rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots, False, *half, 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = torch.ones(32, device=q.device)[::2]
+        rotary_kv_store_(q, k, v, cos, sin, kc, vc, slots, False, wide, wide, 1e-6)
 
 
 # The GPU variants (16-bit and fp32 q/k/v into pools of their dtype, half and interleaved rotation, a padded head
@@ -108,13 +164,17 @@ from triton.compiler import ASTSource
 from astrai.triton_kernels.rotary import block_sizes
 from astrai.triton_kernels.rotary_kv_store import _rotary_kv_store_kernel as fn
 
-for dt, interleaved, tokens, heads, kv_heads, dim in [("bf16", False, 1, 9, 3, 64), ("fp16", True, 512, 32, 8, 128),
-                                                      ("fp32", False, 7, 4, 4, 10), ("bf16", True, 3, 16, 1, 80)]:
+for dt, interleaved, tokens, heads, kv_heads, dim, gains in [
+    ("bf16", False, 1, 9, 3, 64, None), ("fp16", True, 512, 32, 8, 128, None), ("fp32", False, 7, 4, 4, 10, None),
+    ("bf16", True, 3, 16, 1, 80, None), ("bf16", False, 1, 16, 8, 128, "bf16"),
+    ("bf16", False, 256, 16, 8, 128, "fp32"), ("fp16", True, 5, 4, 2, 10, "fp16"),
+]:
     block_t, block_h = block_sizes(tokens, heads, kv_heads, dim)
     types = {n: "*" + dt for n in ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
-    types.update(cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64")
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", eps="fp32",
+                 qn_ptr="*" + (gains or "fp32"), kn_ptr="*" + (gains or "fp32"))
     consts = dict(INTERLEAVED=interleaved, HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
-                  BLOCK_T=block_t, BLOCK_H=block_h)
+                  BLOCK_T=block_t, BLOCK_H=block_h, HAS_NORM=gains is not None, ROUND_NORM=gains == dt)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     for arch in (80, 90):
         try:

@@ -53,20 +53,28 @@ def test_moe_generation_through_the_fused_experts_equals_torch(tmp_path, monkeyp
     assert len(calls) >= 2 * 5 and 2 in calls  # both layers, prefill and decode steps (2 rows)
 
 
-def test_fused_layout_through_the_triton_kernels_equals_torch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_layout_through_the_triton_kernels_equals_torch(tmp_path, monkeypatch, family):
     """The CUDA serving path on CPU: fused q/k/v and gate/up (strided q/k/v views) into the fused rotary + KV-store
-    kernel, which must run once per layer and step, against the torch backend on the checkpoint layout."""
+    kernel, which must run once per layer and step, against the torch backend on the checkpoint layout. qwen3's
+    q/k RMSNorm runs inside that kernel: it must be handed the gains (and qwen2 none)."""
     from astrai.inference.engine import Engine, EngineConfig
     from astrai.inference.params import SamplingParams
     from astrai.triton_kernels import rotary_kv_store
 
-    model = astrai.load(save_hf(tiny_hf_model("qwen2", head_dim=16, num_hidden_layers=2), tmp_path), device=DEVICE)
+    model = astrai.load(save_hf(tiny_hf_model(family, head_dim=16, num_hidden_layers=2), tmp_path), device=DEVICE)
     prompts = [[3, 4, 5, 6, 7], [9] * 11, [100, 101]]
     monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "torch")
     reference = generate_ids(model, prompts, max_tokens=6, stop_token_ids=[])
-    calls = []
+    calls, normed = [], []
     kernel = rotary_kv_store.rotary_kv_store_
-    monkeypatch.setattr(rotary_kv_store, "rotary_kv_store_", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        normed.append(args[9] is not None and args[10] is not None)  # q_norm, k_norm
+        return kernel(*args)
+
+    monkeypatch.setattr(rotary_kv_store, "rotary_kv_store_", spy)
     monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "triton")
     cfg = EngineConfig(fuse_projections=True, compile=False, cuda_graphs=False, background=False)
     with Engine(model, cfg) as engine:
@@ -74,3 +82,4 @@ def test_fused_layout_through_the_triton_kernels_equals_torch(tmp_path, monkeypa
         got = [list(c.outputs[0].token_ids) for c in engine.generate(prompts, params)]
     assert got == reference
     assert len(calls) >= 2 * 6 and 3 in calls  # both layers, every step (3 decoding rows)
+    assert all(normed) if family == "qwen3" else not any(normed)
