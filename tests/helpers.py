@@ -270,9 +270,28 @@ def engine_with_added_tokens(corpus: list[str], added: list[str]):
         yield engine
 
 
+# Prepended to every `assert_compiles_for_gpu` script: `build(fn, types, consts, **options)` compiles the JIT
+# function `fn` for sm_80 and sm_90 (arguments typed by `types`, "i32" when unnamed; `consts` as constexprs) and
+# exits naming the target and the variant when the compiler rejects it.
+AOT_PRELUDE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(fn, types, consts, **options):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    for arch in (80, 90):
+        try:
+            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32), options=options)
+        except Exception as e:
+            raise SystemExit(f"{fn.__name__} for sm_{arch}, {types} {consts}: {e}")
+"""
+
+
 def assert_compiles_for_gpu(script: str) -> None:
-    """Run `script` (it builds Triton kernels for GPU targets with `triton.compile`) in a fresh interpreter without
-    TRITON_INTERPRET, so the real JIT functions are compiled, not interpreted; fail with its stderr."""
+    """Run `script` (it builds Triton kernels for GPU targets with `triton.compile`, e.g. by `AOT_PRELUDE`'s `build`)
+    in a fresh interpreter without TRITON_INTERPRET, so the real JIT functions are compiled, not interpreted; fail
+    with its stderr."""
     import os
     import subprocess
     import sys

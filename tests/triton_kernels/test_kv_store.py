@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from astrai.triton_kernels.kv_store import kv_store_, kv_store_ref_
-from helpers import DEVICE, assert_compiles_for_gpu
+from helpers import AOT_PRELUDE, DEVICE, assert_compiles_for_gpu
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -109,23 +109,19 @@ def test_int64_offsets_gpu() -> None:
 
 # The GPU variants (16-bit and fp32 pools, a padded head dim, one and several head blocks) compiled to PTX/cubin
 # for sm_80 and sm_90 without a device: the interpreter accepts programs the compiler rejects.
-_AOT_SCRIPT = """
+_AOT_SCRIPT = (
+    AOT_PRELUDE
+    + """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from astrai.triton_kernels.kv_store import _kv_store_kernel as fn
 
 for dt, heads, dim, block_k in [("bf16", 8, 128, 8), ("fp16", 1, 64, 1), ("fp32", 12, 80, 16)]:
     types = {n: "*" + dt for n in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
     types.update(slot_mapping_ptr="*i64")
     consts = dict(NUM_KV_HEADS=heads, HEAD_DIM=dim, BLOCK_K=block_k, BLOCK_D=triton.next_power_of_2(dim))
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    for arch in (80, 90):
-        try:
-            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-        except Exception as e:
-            raise SystemExit(f"sm_{arch} {dt} {consts}: {e}")
+    build(fn, types, consts, num_warps=4)
 """
+)
 
 
 def test_compiles_for_gpu_targets() -> None:

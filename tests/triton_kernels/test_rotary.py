@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astrai.triton_kernels.rotary import rotary, rotary_ref
-from helpers import TOLERANCES, assert_close, assert_compiles_for_gpu
+from helpers import AOT_PRELUDE, TOLERANCES, assert_close, assert_compiles_for_gpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = list(TOLERANCES)
@@ -184,10 +184,9 @@ def test_gpu_int64_token_offsets(interleaved: bool) -> None:
 # The GPU variants (16-bit and fp32, half and interleaved, forward and inverse, with and without a positions
 # table, a padded head dim) compiled to PTX/cubin for sm_80 and sm_90 without a device: the interpreter accepts
 # programs the compiler rejects.
-_AOT_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_AOT_SCRIPT = (
+    AOT_PRELUDE
+    + """
 from astrai.triton_kernels.rotary import _rotary_kernel as fn, block_sizes
 
 for dt, interleaved, inverse, positions, tokens, dim in [("bf16", False, False, True, 1, 64),
@@ -198,14 +197,9 @@ for dt, interleaved, inverse, positions, tokens, dim in [("bf16", False, False, 
     types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64")
     consts = dict(HAS_POSITIONS=positions, INTERLEAVED=interleaved, INVERSE=inverse, HALF=dim // 2,
                   HALF_PAD=triton.next_power_of_2(dim // 2), BLOCK_T=block_t, BLOCK_H=block_h)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    for arch in (80, 90):
-        try:
-            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                           options=dict(num_warps=4, enable_fp_fusion=True))
-        except Exception as e:
-            raise SystemExit(f"sm_{arch} {dt} {consts}: {e}")
+    build(fn, types, consts, num_warps=4, enable_fp_fusion=True)
 """
+)
 
 
 def test_compiles_for_gpu_targets() -> None:

@@ -15,7 +15,7 @@ from astrai.triton_kernels import rotary_kv_store as rotary_kv_store_module
 from astrai.triton_kernels.kv_store import kv_store_
 from astrai.triton_kernels.rotary import rotary
 from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_, rotary_kv_store_ref_
-from helpers import DEVICE, TOLERANCES, assert_close, assert_compiles_for_gpu
+from helpers import AOT_PRELUDE, DEVICE, TOLERANCES, assert_close, assert_compiles_for_gpu
 
 # (H, K, D): GQA 4, MQA, MHA, and a head dim whose half is not a power of two
 SHAPES = [(8, 2, 64), (4, 1, 32), (3, 3, 10)]
@@ -157,10 +157,9 @@ def test_norm_refusals_name_the_argument():
 # dim, the block sizes the launcher picks for one decode row and for a prefill chunk) compiled to PTX/cubin for
 # sm_80 and sm_90 without a device: the CPU suite otherwise only runs the interpreter, which accepts programs
 # the compiler rejects. Names the kernel and variant that fails.
-_AOT_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_AOT_SCRIPT = (
+    AOT_PRELUDE
+    + """
 from astrai.triton_kernels.rotary import block_sizes
 from astrai.triton_kernels.rotary_kv_store import _rotary_kv_store_kernel as fn
 
@@ -175,14 +174,9 @@ for dt, interleaved, tokens, heads, kv_heads, dim, gains in [
                  qn_ptr="*" + (gains or "fp32"), kn_ptr="*" + (gains or "fp32"))
     consts = dict(INTERLEAVED=interleaved, HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
                   BLOCK_T=block_t, BLOCK_H=block_h, HAS_NORM=gains is not None, ROUND_NORM=gains == dt)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    for arch in (80, 90):
-        try:
-            triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                           options=dict(num_warps=4, enable_fp_fusion=True))
-        except Exception as e:
-            raise SystemExit(f"sm_{arch} {dt} interleaved={interleaved} {consts}: {e}")
+    build(fn, types, consts, num_warps=4, enable_fp_fusion=True)
 """
+)
 
 
 def test_compiles_for_gpu_targets():
