@@ -5,9 +5,10 @@ For each config (SmolLM2-135M-shaped, Qwen2.5-0.5B-shaped) and dtype it measures
   astrai via `logits_positions`, transformers via `logits_to_keep=1` as its `generate` does), astrai eager and
   compiled; the × column compares the path the engine runs on CPU (eager prefill, compiled decode), with the
   engine's oneDNN weight packs (`EngineConfig.pack_weights`);
-- batch-1 greedy decode tok/s over `--decode-tokens` steps with a KV cache: transformers (DynamicCache),
-  astrai eager `decode_step`, and astrai `torch.compile`d `decode_step` compiled as the engine compiles it
-  (`step.SERVED_STEP_OPTIONS`: no guards on the parameters, no wrapper asserts);
+- batch-1 greedy decode tok/s over `--decode-tokens` steps with a KV cache: transformers (DynamicCache), and
+  its fastest path (`generate` with a static cache and `torch.compile`, warmed up), astrai eager `decode_step`,
+  and astrai `torch.compile`d `decode_step` compiled as the engine compiles it (`step.SERVED_STEP_OPTIONS`: no
+  guards on the parameters, no wrapper asserts);
 - the decode roofline fraction: bytes of weights read per token x tok/s / measured memory read bandwidth. The
   box's bandwidth moves by ±30% between minutes, so besides the fraction against the probe taken at the start,
   each compiled decode run is paired with a probe taken just before it (best of 3 sums): the paired fractions'
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import hf_generate_kwargs
 from rich.console import Console
 from rich.table import Table
 
@@ -91,6 +93,22 @@ def hf_prefill_decode(hf, prompt: torch.Tensor, steps: int, repeats: int) -> tup
     return prompt.numel() / statistics.median(prefill_times), statistics.median(decode_rates)
 
 
+def hf_static_compile_decode(hf, prompt: torch.Tensor, steps: int, repeats: int) -> float:
+    """Decode tok/s of transformers' fastest path, `generate` with a static cache and `torch.compile`, greedy:
+    `steps - 1` tokens over the time of a `steps`-token generate minus a 1-token one (prefill and first token
+    out). Warmed up first: the first calls compile."""
+    extra = hf_generate_kwargs("static-compile", prompt.numel() + steps + 1)
+
+    def seconds(new: int) -> float:
+        start = time.perf_counter()
+        hf.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=new,
+                    min_new_tokens=new, do_sample=False, pad_token_id=0, **extra)  # fmt: skip
+        return time.perf_counter() - start
+
+    seconds(steps), seconds(1)
+    return statistics.median((steps - 1) / (seconds(steps) - seconds(1)) for _ in range(repeats))
+
+
 def astrai_prefill_decode(model, prompt: torch.Tensor, steps: int, repeats: int, compiled: bool, probe=None):
     """(prefill tok/s, decode tok/s, [(decode tok/s, GB/s probed just before)]) of astrai's paged steps, greedy;
     `compiled` wraps them in torch.compile with the engine's options. `probe` (a bandwidth probe, GB/s) runs
@@ -149,6 +167,10 @@ def run(args) -> dict:
                 prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen)
                 console.print(f"[dim]{name} {dtype_name}: transformers...[/]")
                 hf_pre, hf_dec = hf_prefill_decode(hf, prompt, args.decode_tokens, args.repeats)
+                console.print(
+                    f"[dim]{name} {dtype_name}: transformers static cache + compile (includes a compile)...[/]"
+                )
+                hf_fast = hf_static_compile_decode(hf, prompt, args.decode_tokens, args.repeats)
                 console.print(f"[dim]{name} {dtype_name}: astrai eager...[/]")
                 ea_pre, ea_dec, _ = astrai_prefill_decode(model, prompt, args.decode_tokens, args.repeats, False)
                 console.print(f"[dim]{name} {dtype_name}: astrai compiled (includes a compile)...[/]")
@@ -168,9 +190,11 @@ def run(args) -> dict:
                         astrai_prefill_tok_s=ea_pre,
                         astrai_compiled_prefill_tok_s=co_pre,
                         hf_decode_tok_s=hf_dec,
+                        hf_static_compile_decode_tok_s=hf_fast,
                         astrai_decode_tok_s=ea_dec,
                         astrai_compiled_decode_tok_s=co_dec,
                         decode_speedup=co_dec / hf_dec,  # the engine's path: compiled decode, eager prefill
+                        decode_speedup_vs_static_compile=co_dec / hf_fast,
                         prefill_speedup=ea_pre / hf_pre,
                         weight_bytes_per_token=weight_bytes,
                         roofline_fraction=weight_bytes * co_dec / (bandwidth * 1e9),
@@ -206,9 +230,11 @@ def print_table(report: dict) -> None:
         "×",
         "prefill compiled",
         "decode HF",
+        "decode HF static+compile",
         "decode astrai",
         "decode compiled",
         "×",
+        "× static",
         "roofline astrai",
         "paired (min-max)",
         "roofline HF",
@@ -223,9 +249,11 @@ def print_table(report: dict) -> None:
             f"{r['prefill_speedup']:.2f}",
             f"{r['astrai_compiled_prefill_tok_s']:.0f}",
             f"{r['hf_decode_tok_s']:.1f}",
+            f"{r['hf_static_compile_decode_tok_s']:.1f}",
             f"{r['astrai_decode_tok_s']:.1f}",
             f"{r['astrai_compiled_decode_tok_s']:.1f}",
             f"{r['decode_speedup']:.2f}",
+            f"{r['decode_speedup_vs_static_compile']:.2f}",
             f"{r['roofline_fraction']:.0%}",
             "{median:.0%} ({min:.0%}-{max:.0%})".format(**r["paired_roofline_fraction"]),
             f"{r['hf_roofline_fraction']:.0%}",
@@ -233,9 +261,9 @@ def print_table(report: dict) -> None:
     console.print(table)
     console.print(
         "[dim]tok/s; × = astrai as the engine runs it on CPU (eager prefill, compiled decode, packed "
-        "weights) / transformers, measured side by side in this run; roofline: weight bytes per token x compiled "
-        "decode tok/s / read bandwidth, against the probe at the start and, paired, each run against a probe taken "
-        "just before it[/]"
+        "weights) / transformers eager (× static: / its static cache + compile), measured side by side in this "
+        "run; roofline: weight bytes per token x compiled decode tok/s / read bandwidth, against the probe at "
+        "the start and, paired, each run against a probe taken just before it[/]"
     )
 
 

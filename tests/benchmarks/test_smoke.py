@@ -77,6 +77,7 @@ def test_smoke_mode_reports_json(script, tmp_path):
         assert all(g["identical"] and g["all_guards_us"]["median"] > 0 and g["served_us"]["median"] > 0 for g in guards)
     elif "results" in report:  # bench_forward: both sides produced positive rates
         assert all(r["hf_decode_tok_s"] > 0 and r["astrai_compiled_decode_tok_s"] > 0 for r in report["results"])
+        assert all(r["hf_static_compile_decode_tok_s"] > 0 for r in report["results"])
     else:  # bench_engine: every section measured, and the radix saved prefill work, cold and more so warm
         single = report["single"]
         assert single["engine_tok_s"] > 0 and single["hf_tok_s"] > 0 and single["hf_static_compile_tok_s"] > 0
