@@ -11,13 +11,20 @@ counts batch-1..8 decode sees. Providers, per R, in the same process and interle
 GB/s = the weights' bytes / the median time of `--repeats` passes (min-max in the JSON), beside the machine's
 read bandwidth (best of 10 sums of 1 GiB, as bench_forward measures its roofline).
 
+`--one-graph` asks what bounds one-row decode: all projections in one compiled graph (as a decode step holds them),
+through inductor's loop (what one row runs) and through the kernel op per group, beside a single kernel call
+over the same bytes concatenated (one stream, no per-matrix start) and a sum of 1 GiB (the read bandwidth), all
+four interleaved round by round (median GB/s, min-max). The gap between the single call and the graphs is the
+price of meeting the weights as ~120 separate matrices per token.
+
 `--step-rows R ...` adds what users get: the median decode step of a compiled `Engine` (`profile_step`'s
 workload: R requests decoding, 40 timed steps after warm-up) with the kernel on and off
 (`ASTRAI_CPU_KERNELS=1/0`). The switch is read once per process, so each measurement is a fresh process; on and
 off alternate for `--rounds` rounds. About a minute per process (build and compile).
 
 Usage: python benchmarks/bench_matvec.py [--config smollm2-135m] [--dtypes bfloat16 float32] [--rows 1 2 4 8]
-[--step-rows 1 4 --rounds 2]. `--smoke` in seconds. Prints a rich table, then the JSON report as the last stdout line.
+[--step-rows 1 4 --rounds 2] [--one-graph]. `--smoke` in seconds. Prints a rich table, then the JSON report as
+the last stdout line.
 """
 
 from __future__ import annotations
@@ -106,6 +113,66 @@ def run(args) -> dict:
                 read_bandwidth_gbs=bandwidth, repeats=args.repeats, results=results)  # fmt: skip
 
 
+def _projections(x: dict[int, torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    # every projection of a decode step in one graph, through `astrai.ops.linear` (one row: inductor's loop);
+    # a few columns of each output are kept, so nothing is dead code and the output stays small
+    from astrai.ops.linear import linears
+
+    return torch.cat([y[:, :8].float() for g in groups for y in linears(x[g[0].shape[1]], g, [None] * len(g))], 1)
+
+
+def _projections_kernel(x: dict[int, torch.Tensor], groups: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    outs = [torch.ops.astrai.cpu_matvec(x[g[0].shape[1]], list(g)).split([w.shape[0] for w in g], 1) for g in groups]
+    return torch.cat([y[:, :8] for parts in outs for y in parts], 1)
+
+
+def run_one_graph(args) -> list[dict]:
+    """`--one-graph`: GB/s of one row's products in one compiled graph vs one call over the same bytes."""
+    cfg = NAMED[args.config]()
+    with torch.device("cpu"):
+        params = init_params(cfg)
+    probe = torch.ones((64 if args.smoke else 1024) << 18)  # 1 GiB of fp32 (64 MiB in the smoke)
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    return [_one_graph_row(params, dtype, probe, args.repeats) for dtype in dtypes if cpu_matvec.supports(dtype)]
+
+
+def _one_graph_row(params, dtype: torch.dtype, probe: torch.Tensor, repeats: int) -> dict:
+    import statistics
+    import time
+
+    from astrai.inference.step import SERVED_STEP_OPTIONS
+
+    groups = [tuple(w.to(dtype) for w in g) for g in projection_groups(params)]
+    nbytes = sum(w.nbytes for g in groups for w in g)
+    x = {n: torch.randn(1, n).to(dtype) for n in {g[0].shape[1] for g in groups}}
+    widest = max(x, key=lambda n: sum(w.nbytes for g in groups for w in g if w.shape[1] == n))
+    one = torch.cat([w for g in groups for w in g if w.shape[1] == widest])  # one stream of most of the bytes
+    torch._dynamo.reset()
+    loop = torch.compile(_projections, dynamic=False, options=SERVED_STEP_OPTIONS)
+    kernel = torch.compile(_projections_kernel, dynamic=False, options=SERVED_STEP_OPTIONS)
+    arms = {
+        "probe": (lambda: probe.sum(), probe.nbytes),
+        "one_call": (lambda: cpu_matvec.matvec(x[widest], [one]), one.nbytes),
+        "graph_loop": (lambda: loop(x, groups), nbytes),
+        "graph_kernel": (lambda: kernel(x, groups), nbytes),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    with torch.inference_mode():
+        torch.testing.assert_close(loop(x, groups), kernel(x, groups), rtol=2e-2, atol=2e-2)  # the same products
+        for _ in range(repeats):  # round by round, so a noisy minute hits every arm alike
+            for name, (fn, size) in arms.items():
+                start = time.perf_counter()
+                fn()
+                rates[name].append(size / (time.perf_counter() - start) / 1e9)
+    row = {"dtype": str(dtype).removeprefix("torch."), "weight_mb": nbytes / 1e6, "matrices": len(groups)}
+    for name, values in rates.items():
+        row |= {f"{name}_gbs": statistics.median(values), f"{name}_min_gbs": min(values),
+                f"{name}_max_gbs": max(values)}  # fmt: skip
+    for name in ("one_call", "graph_loop", "graph_kernel"):
+        row[f"{name}_of_probe"] = row[f"{name}_gbs"] / row["probe_gbs"]
+    return row
+
+
 def step_worker(dtype_name: str, rows: int, config: str) -> dict:
     """One process's measurement: the median compiled decode step of `rows` requests, ms (p10, p90)."""
     import time
@@ -165,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny config, fp32, 3 rows (seconds)")
     parser.add_argument("--step-rows", type=int, nargs="*", default=[], help="engine decode steps, on vs off")
     parser.add_argument("--rounds", type=int, default=2, help="on/off process pairs per --step-rows entry")
+    parser.add_argument("--one-graph", action="store_true", help="one row: all products in one graph vs one call")
     parser.add_argument("--step-worker", nargs=2, metavar=("DTYPE", "ROWS"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -175,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.config, args.dtypes, args.rows, args.repeats = "tiny", ["float32"], [3], 2  # each graph compiles
     report = run(args)
+    if args.one_graph or args.smoke:
+        report["one_graph"] = run_one_graph(args)
+        console.print(table(f"one row, every projection of {report['config']}: GB/s, median of {args.repeats} "
+                            "interleaved rounds (fraction of the 1 GiB sum beside)", report["one_graph"],
+                            [("dtype", ""), ("probe_gbs", ".1f"), ("one_call_gbs", ".1f"), ("one_call_of_probe", ".0%"),
+                             ("graph_loop_gbs", ".1f"), ("graph_loop_of_probe", ".0%"), ("graph_kernel_gbs", ".1f"),
+                             ("graph_kernel_of_probe", ".0%")]))  # fmt: skip
     if args.step_rows:
         report["steps"] = run_steps(args)
         console.print(table(f"compiled decode step of {report['config']} through the Engine, ms, kernel on vs off "

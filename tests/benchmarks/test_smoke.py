@@ -65,6 +65,8 @@ def test_smoke_mode_reports_json(script, tmp_path):
     elif report.get("benchmark") == "bench_matvec":  # every provider measured (where this CPU has the kernel)
         assert report["read_bandwidth_gbs"] > 0
         assert all(r[f"{k}_gbs"] > 0 for r in report["results"] for k in ("f_linear", "inductor", "kernel_groups"))
+        for row in report["one_graph"]:  # one row in one graph vs one call (the graphs' products agreed inside)
+            assert all(row[f"{k}_gbs"] > 0 for k in ("probe", "one_call", "graph_loop", "graph_kernel"))
     elif report.get("benchmark") == "bench_cpu_attention":  # every provider measured and agreeing (asserted inside)
         assert all(r[f"{k}_us"] > 0 for r in report["results"] for k in ("ref_eager", "ref_compiled"))
         assert report["read_bandwidth_gbs"] > 0
