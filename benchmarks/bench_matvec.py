@@ -12,10 +12,10 @@ GB/s = the weights' bytes / the median time of `--repeats` passes (min-max in th
 read bandwidth (best of 10 sums of 1 GiB, as bench_forward measures its roofline).
 
 `--one-graph` asks what bounds one-row decode: all projections in one compiled graph (as a decode step holds them),
-through inductor's loop (what one row runs) and through the kernel op per group, beside a single kernel call
-over the same bytes concatenated (one stream, no per-matrix start) and a sum of 1 GiB (the read bandwidth), all
-four interleaved round by round (median GB/s, min-max). The gap between the single call and the graphs is the
-price of meeting the weights as ~120 separate matrices per token.
+through inductor's loop (what one row runs) and through the kernel op per group, beside a single kernel call over
+the weights of the common input width concatenated (all but down_proj: one stream, no per-matrix start) and a sum
+of 1 GiB (the read bandwidth), all four interleaved round by round (median GB/s, min-max). The gap between the
+single call and the graphs is the price of meeting the weights as ~120 separate matrices per token.
 
 `--step-rows R ...` adds what users get: the median decode step of a compiled `Engine` (`profile_step`'s
 workload: R requests decoding, 40 timed steps after warm-up) with the kernel on and off
@@ -127,7 +127,7 @@ def _projections_kernel(x: dict[int, torch.Tensor], groups: list[tuple[torch.Ten
 
 
 def run_one_graph(args) -> list[dict]:
-    """`--one-graph`: GB/s of one row's products in one compiled graph vs one call over the same bytes."""
+    """`--one-graph`: GB/s of one row's products in one compiled graph vs one call over most of those bytes."""
     cfg = NAMED[args.config]()
     with torch.device("cpu"):
         params = init_params(cfg)
