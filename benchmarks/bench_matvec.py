@@ -138,7 +138,6 @@ def run_one_graph(args) -> list[dict]:
 
 def _one_graph_row(params, dtype: torch.dtype, probe: torch.Tensor, repeats: int) -> dict:
     import statistics
-    import time
 
     from astrai.inference.step import SERVED_STEP_OPTIONS
 
@@ -156,14 +155,10 @@ def _one_graph_row(params, dtype: torch.dtype, probe: torch.Tensor, repeats: int
         "graph_loop": (lambda: loop(x, groups), nbytes),
         "graph_kernel": (lambda: kernel(x, groups), nbytes),
     }
-    rates: dict[str, list[float]] = {name: [] for name in arms}
     with torch.inference_mode():
         torch.testing.assert_close(loop(x, groups), kernel(x, groups), rtol=2e-2, atol=2e-2)  # the same products
-        for _ in range(repeats):  # round by round, so a noisy minute hits every arm alike
-            for name, (fn, size) in arms.items():
-                start = time.perf_counter()
-                fn()
-                rates[name].append(size / (time.perf_counter() - start) / 1e9)
+        times = _interleaved({name: fn for name, (fn, _) in arms.items()}, repeats)
+    rates = {name: [arms[name][1] / t / 1e9 for t in ts] for name, ts in times.items()}
     row = {"dtype": str(dtype).removeprefix("torch."), "weight_mb": nbytes / 1e6, "matrices": len(groups)}
     for name, values in rates.items():
         row |= {f"{name}_gbs": statistics.median(values), f"{name}_min_gbs": min(values),
