@@ -4,8 +4,7 @@
 # Stages are independent: a failure in one does not skip the others. Exit status: number of failed stages.
 set -u
 source "$(dirname "$0")/_gpu_stage.sh"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+banner
 # Kernel tests compiled: one autotune config per shape (tuning every test shape would dominate the time), fp16/bf16
 # only (exact-fp32 dots compile for tens of seconds per shape on Hopper and fp32 is not a serving dtype; the CPU
 # suite covers fp32 under the interpreter); tests of pure-host logic are left to the CPU suite.

@@ -6,7 +6,7 @@
 # shape on Hopper). Logs go to ${OUT:-benchmarks/results}. Stages are independent; exit status: failed stages.
 set -u
 source "$(dirname "$0")/_gpu_stage.sh"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+banner
 common=(-q -p no:cacheprovider -W ignore::DeprecationWarning --durations=10)
 stage kernels_autotuned "${KERNELS_TIMEOUT:-330}" env ASTRAI_TRITON_AUTOTUNE=1 $py -m pytest "${common[@]}" \
   tests/triton_kernels -m gpu -k "not float32"

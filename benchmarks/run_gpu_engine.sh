@@ -6,7 +6,7 @@
 set -u
 TAIL_LINES=30
 source "$(dirname "$0")/_gpu_stage.sh"
-$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+banner
 pytest_gpu=(env ASTRAI_TRITON_AUTOTUNE=0 $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning --durations=6)
 stage engine_tests "${ENGINE_TESTS_TIMEOUT:-200}" "${pytest_gpu[@]}" tests/astrai/inference/test_engine.py \
   tests/astrai/inference/test_sampler.py::test_noise_and_tokens_are_the_same_on_cuda

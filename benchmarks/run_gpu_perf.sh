@@ -13,8 +13,7 @@
 set -u
 TAIL_LINES=30
 source "$(dirname "$0")/_gpu_stage.sh"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+banner
 stage decode_attention_autotuned "${ATTN_TIMEOUT:-60}" env ASTRAI_TRITON_AUTOTUNE=1 $py -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning tests/triton_kernels/test_decode_attention.py -k "compiled_gpu"
 stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-100}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \

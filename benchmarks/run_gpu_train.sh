@@ -5,7 +5,7 @@
 set -u
 TAIL_LINES=30
 source "$(dirname "$0")/_gpu_stage.sh"
-$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+banner
 stage train_step_gpu "${TRAIN_TESTS_TIMEOUT:-90}" $py -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   -m gpu tests/astrai/train/test_step.py
 stage quickstart_gpu "${QUICKSTART_TIMEOUT:-150}" bash -c "time $py -m astrai.cli.main quickstart --out-dir /tmp/qs_gpu --retrain"
