@@ -14,8 +14,9 @@ import runpy
 import sys
 
 
-class _Parsed(Exception):
-    """Raised from `parse_args` once the flags are parsed, to leave the script before it does any work."""
+class _Parsed(BaseException):
+    """Raised from `parse_args` once the flags are parsed, to leave the script before it does any work (a
+    BaseException, like SystemExit, so a script's own `except Exception` cannot swallow it and run on)."""
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# run_gpu_perf.sh (issue 16's prepared script) in CI, ~12 s; the others, ~10 s each, only in `make test-all`
+# run_gpu_perf.sh (issue 16's prepared script) in CI, ~17 s; the others, 7-9 s each, only in `make test-all`
 SCRIPTS = [
     script if script == "run_gpu_perf.sh" else pytest.param(script, marks=pytest.mark.slow)
     for script in sorted(p.name for p in (ROOT / "benchmarks").glob("run_gpu*.sh"))
