@@ -10,7 +10,7 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_DEFAULT_FP_FUSION=1
 py=${PYTHON:-python3}
-dry=${ASTRAI_GPU_DRY_RUN:-0}
+case "${ASTRAI_GPU_DRY_RUN:-0}" in 1 | true | yes | on) dry=1 ;; *) dry=0 ;; esac
 failed=0
 
 # the GPU, driver and library versions at the top of a log (skipped in a dry run: there may be no GPU)

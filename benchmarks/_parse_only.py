@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
+from pathlib import Path
 
 
 class _Parsed(BaseException):
@@ -24,6 +25,9 @@ def main() -> int:
         print("usage: _parse_only.py SCRIPT [FLAGS...]", file=sys.stderr)
         return 2
     script = sys.argv[1]
+    if not Path(script).is_file():
+        print(f"_parse_only.py: no such script: {script}", file=sys.stderr)
+        return 2
     parse_args = argparse.ArgumentParser.parse_args
 
     def parse_and_stop(self, args=None, namespace=None):
