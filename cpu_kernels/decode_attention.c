@@ -160,6 +160,14 @@ static long num_splits(long batch, long max_len) {
     return splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
 }
 
+/* Every KV head's block of the enclosing item (it reads the item's q, b, rows, n, m, l, acc), with the head dim DIM
+ * a literal where it can be (64, 128): the inlined block then has fixed trip counts, which the compiler unrolls.
+ * Measured 8-10% faster at 128-2048 tokens (bf16, D 64, 9 over 3 heads) and bit-identical (docs/benchmarks.md). */
+#define FOR_HEADS(BLOCK_FN, DIM)                                                                                  \
+    for (long h = 0; h < Kh; h++)                                                                                 \
+    BLOCK_FN(q + (b * H + h * group) * D, group, DIM, k + h * k_s1, v + h * v_s1, k_s0, v_s0, rows, n, scale,    \
+             m + h * group, l + h * group, acc + h * group * D)
+
 /* One exported entry per cache dtype. An item is (request b, split s) over all KV heads: block by block, every
  * head's rows of a position (adjacent in the pool) are read together, and the next block's rows are prefetched.
  * Partials of split s of (b, head h) sit at index (b * H + h) * splits + s. */
@@ -204,9 +212,12 @@ static long num_splits(long batch, long max_len) {
                                 _mm_prefetch((const char *)(v + next[j] * v_s0 + h * v_s1 + d), _MM_HINT_T0);     \
                             }                                                                                     \
                 }                                                                                                 \
-                for (long h = 0; h < Kh; h++)                                                                     \
-                    BLOCK_FN(q + (b * H + h * group) * D, group, D, k + h * k_s1, v + h * v_s1, k_s0, v_s0, rows, \
-                             n, scale, m + h * group, l + h * group, acc + h * group * D);                        \
+                if (D == 64)                                                                                      \
+                    FOR_HEADS(BLOCK_FN, 64);                                                                      \
+                else if (D == 128)                                                                                \
+                    FOR_HEADS(BLOCK_FN, 128);                                                                     \
+                else                                                                                              \
+                    FOR_HEADS(BLOCK_FN, D);                                                                       \
                 memcpy(rows, next, sizeof rows);                                                                  \
             }                                                                                                     \
             for (long h = 0; h < H; h++) {                                                                        \
