@@ -32,12 +32,14 @@ def test_every_stage_of_the_gpu_scripts_checks_out(script, tmp_path):
 
 
 def test_a_stale_flag_or_an_empty_selection_fails_the_dry_run(tmp_path):
-    # the negative control: the same stage function, given a flag no script has and a -k that selects nothing
+    # the negative control: the same stage function, given a flag no script has, a script that is gone and a -k
+    # that selects nothing
     script = tmp_path / "run_gpu_broken.sh"
     script.write_text(
         'source "benchmarks/_gpu_stage.sh"\n'
         "stage good 60 $py benchmarks/bench_rotary.py --smoke\n"
         "stage stale_flag 60 $py benchmarks/bench_rotary.py --no-such-flag\n"
+        "stage gone 60 $py benchmarks/bench_renamed_away.py --smoke\n"
         "stage empty_selection 60 $py -m pytest -q -p no:cacheprovider tests/triton_kernels/test_rotary.py "
         '-k "no_test_has_this_name"\n'
         "stage other 10 bash -c true\n"
@@ -45,7 +47,8 @@ def test_a_stale_flag_or_an_empty_selection_fails_the_dry_run(tmp_path):
     )
     proc = _dry_run(script, tmp_path)
     out = proc.stdout
-    assert "failed stages: 2" in out, out
+    assert "failed stages: 3" in out, out
     assert "=== good rc=0" in out and "=== stale_flag rc=2" in out and "=== empty_selection rc=5" in out, out
     assert "unrecognized arguments: --no-such-flag" in (tmp_path / "out" / "stale_flag.log").read_text()
+    assert "=== gone rc=2" in out and "no such script" in (tmp_path / "out" / "gone.log").read_text()
     assert "other: not checked in a dry run" in out
