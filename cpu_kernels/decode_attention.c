@@ -162,7 +162,8 @@ static long num_splits(long batch, long max_len) {
 
 /* Every KV head's block of the enclosing item (it reads the item's q, b, rows, n, m, l, acc), with the head dim DIM
  * a literal where it can be (64, 128): the inlined block then has fixed trip counts, which the compiler unrolls.
- * Measured 8-10% faster at 128-2048 tokens (bf16, D 64, 9 over 3 heads) and bit-identical (docs/benchmarks.md). */
+ * Measured 6-9% faster per call at 128-2048 tokens (bf16 and fp32, D 64, 9 over 3 heads), bit-identical
+ * (docs/benchmarks.md). */
 #define FOR_HEADS(BLOCK_FN, DIM)                                                                                  \
     for (long h = 0; h < Kh; h++)                                                                                 \
     BLOCK_FN(q + (b * H + h * group) * D, group, DIM, k + h * k_s1, v + h * v_s1, k_s0, v_s0, rows, n, scale,    \
