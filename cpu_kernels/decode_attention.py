@@ -11,7 +11,8 @@ attention kernel").
 dim a multiple of 16 up to 256, at most 16 query heads per KV head, contiguous last dims, and the shared library
 built (`astrai.cpu_kernels.library`; an AVX512-BF16 CPU for bf16). `astrai.ops.attention` asks it and otherwise
 runs the reference. The `astrai::cpu_decode_attention` op (opaque to `torch.compile`) raises where the kernel
-cannot run. No autograd: decode needs none.
+cannot run; its CPU kernel is `ops.cpp`'s where that builds (the same checks, ~1 us a call instead of ~8),
+else `decode_attention` here. No autograd: decode needs none.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def decode_attention(
 
 
 # `torch.ops.astrai.cpu_decode_attention`: one opaque call per layer inside compiled CPU decode steps (in place of
-# the reference's gather + SDPA, itself an opaque SDPA call); registered like `astrai::cpu_matvec`.
+# the reference's gather + SDPA, itself an opaque SDPA call); registered like `astrai::cpu_matvec`, under
+# CompositeExplicitAutograd so that `ops.cpp`'s CPU kernel takes precedence where it loads.
 _LIBRARY = torch.library.Library("astrai", "FRAGMENT")
 _LIBRARY.define(
     "cpu_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
@@ -138,7 +140,7 @@ def _op(q, k_cache, v_cache, block_table, seq_lens, page_size, scale, window):
                             window=window)  # fmt: skip
 
 
-_LIBRARY.impl("cpu_decode_attention", _op, "CPU")
+_LIBRARY.impl("cpu_decode_attention", _op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("astrai::cpu_decode_attention", lib=_LIBRARY)

@@ -9,6 +9,12 @@ take their thread count from the caller.
 `load()` returns the library with the CPU's features, or why there is none: `ASTRAI_CPU_KERNELS=0`, not x86-64,
 no compiler, or a failed build. The kernel modules (`matvec`, `decode_attention`) add their own checks (dtype,
 AVX512-BF16) on top.
+
+With the library, `load()` also builds `ops.cpp` with the C++ compiler (`$CXX`, else c++, g++ or clang++; ~2 s,
+cached the same way, per torch version) against torch's stable ABI, loads it, and hands it the kernels' addresses:
+its CPU kernels of the `astrai::cpu_decode_attention` and `astrai::cpu_matvec` ops then take precedence over the
+Python ones, which stay registered under CompositeExplicitAutograd. `Library.ops_reason` says why not, where not
+(no C++ compiler, no torch headers, a failed build); the ops keep working through Python, only slower per call.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ __all__ = ["AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "constant_wh
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+OPS_SOURCE = Path(__file__).parent / "ops.cpp"
+_TORCH_DIR = Path(torch.__file__).resolve().parent
+# the stable ABI's shim functions live in libtorch_cpu; torch's own libraries are loaded RTLD_LOCAL, so link them
+_OPS_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", f"-I{_TORCH_DIR / 'include'}", f"-L{_TORCH_DIR / 'lib'}",
+              "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{_TORCH_DIR / 'lib'}")  # fmt: skip
 AVX512, AVX512_BF16 = 1, 2  # bits of astrai_cpu_features(): AVX-512 F/BW/VL, and AVX512-BF16 as well
 FEATURES = {torch.float32: AVX512, torch.bfloat16: AVX512_BF16}  # what each dtype's kernels need
 
@@ -43,6 +54,7 @@ class Library:
 
     def __init__(self, cdll: ctypes.CDLL | None = None, features: int = 0, reason: str | None = None) -> None:
         self.cdll, self.features, self.reason = cdll, features, reason
+        self.ops_reason: str | None = reason  # why the ops' C++ kernels are not loaded, or None
 
 
 _LIBRARY: Library | None = None
@@ -61,19 +73,30 @@ def _compiler() -> list[str] | None:
     return [found] if found else None
 
 
+def _cxx_compiler() -> list[str] | None:
+    """The C++ compiler command: `$CXX` (may carry flags), else the first of c++, g++, clang++ on PATH."""
+    if os.environ.get("CXX", "").strip():
+        return shlex.split(os.environ["CXX"])
+    found = next((shutil.which(name) for name in ("c++", "g++", "clang++") if shutil.which(name)), None)
+    return [found] if found else None
+
+
 def build_dir() -> Path:
     """Where the compiled library is kept: `$XDG_CACHE_HOME/astrai/cpu_kernels`, else ~/.cache/astrai/..."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
     return Path(base) / "astrai" / "cpu_kernels"
 
 
-def _build(compiler: list[str], *, fresh: bool = False) -> Path:
-    """Compile the sources into the cache (skipped when these sources and compiler were built before, unless
-    `fresh`)."""
-    digest = hashlib.sha256(" ".join([*compiler, *_FLAGS]).encode())
-    for source in SOURCES:
+def _build(
+    compiler: list[str], *, fresh: bool = False, sources: Sequence[Path] = SOURCES, flags: Sequence[str] = _FLAGS,
+    stem: str = "kernels",
+) -> Path:  # fmt: skip
+    """Compile `sources` into the cache as `{stem}-{digest}.so` (skipped when these sources, flags, compiler and torch
+    version were built before, unless `fresh`)."""
+    digest = hashlib.sha256(" ".join([*compiler, *flags, torch.__version__]).encode())
+    for source in sources:
         digest.update(source.name.encode() + source.read_bytes())
-    target = build_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
+    target = build_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
     if target.exists() and not fresh:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,30 +104,30 @@ def _build(compiler: list[str], *, fresh: bool = False) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run(
-            [*compiler, *_FLAGS, *map(str, SOURCES), "-o", partial], capture_output=True, text=True, timeout=120
-        )
+        # sources before flags: a linker with --as-needed drops libraries named before the objects that use them
+        command = [*compiler, *map(str, sources), *flags, "-o", partial]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            names = " ".join(source.name for source in SOURCES)
+            names = " ".join(source.name for source in sources)
             raise OSError(f"{' '.join(compiler)} failed on {names}: {proc.stderr.strip()[-600:]}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    _remove_stale(target)
+    _remove_stale(target, stem)
     return target
 
 
 STALE_AFTER_S = 7 * 24 * 3600
 
 
-def _remove_stale(kept: Path) -> None:
+def _remove_stale(kept: Path, stem: str) -> None:
     """Delete the libraries of other sources or compilers (one per source version, left by upgrades) that no process
     has loaded for `STALE_AFTER_S` (`_open` touches the file it loads). A younger one may belong to another checkout
     that shares the cache; a process that has one loaded keeps its mapping, and one that needs it again rebuilds it
     in a second or two."""
     cutoff = time.time() - STALE_AFTER_S
-    for old in kept.parent.glob("kernels-*.so"):
+    for old in kept.parent.glob(f"{stem}-*.so"):
         try:
             if old != kept and old.stat().st_mtime < cutoff:
                 old.unlink()
@@ -112,11 +135,12 @@ def _remove_stale(kept: Path) -> None:
             pass
 
 
-def _open(compiler: list[str], entries: tuple[str, ...]) -> ctypes.CDLL:
-    """Load the cached library; one that fails to load or lacks an entry point (a truncated or foreign file
-    under the cache's name) is rebuilt once rather than leaving the kernels off for good."""
+def _open(compiler: list[str], entries: tuple[str, ...], **build: Any) -> ctypes.CDLL:
+    """Load the cached library (`build`: `_build`'s sources, flags and stem); one that fails to load or lacks an
+    entry point (a truncated or foreign file under the cache's name) is rebuilt once rather than leaving the kernels
+    off for good."""
     try:
-        target = _build(compiler)
+        target = _build(compiler, **build)
         cdll = ctypes.CDLL(str(target))
         for name in entries:
             getattr(cdll, name)
@@ -124,7 +148,7 @@ def _open(compiler: list[str], entries: tuple[str, ...]) -> ctypes.CDLL:
             os.utime(target)
         return cdll
     except (OSError, AttributeError):
-        target = _build(compiler, fresh=True)
+        target = _build(compiler, fresh=True, **build)
     # loaded from a private copy: a damaged file that did load stays open under the cache's name, and dlopen
     # would hand that one back (the copy is unlinked at once; the mapping outlives the name)
     fd, private = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -161,7 +185,35 @@ def load() -> Library:
                     _LIBRARY = Library(cdll, cdll.astrai_cpu_features())
                 except (OSError, AttributeError, subprocess.SubprocessError) as error:
                     _LIBRARY = Library(reason=f"could not build the kernel: {error}")
+                else:
+                    _LIBRARY.ops_reason = _load_ops(_LIBRARY)
     return _LIBRARY
+
+
+def _load_ops(kernels: Library) -> str | None:
+    """Build and load `ops.cpp` (registering its CPU kernels of the ops) and bind the C kernels' addresses for
+    the dtypes this CPU runs; None, or why not. Bound before the first call: `load()` runs under its lock."""
+    compiler = _cxx_compiler()
+    if compiler is None:
+        return "no C++ compiler found (set CXX, or install g++ or clang++)"
+    if not (_TORCH_DIR / "include" / "torch" / "csrc" / "stable" / "library.h").is_file():
+        return f"torch's stable C++ headers are not installed under {_TORCH_DIR / 'include'}"
+    try:
+        ops = _open(compiler, ("astrai_ops_bind",), sources=(OPS_SOURCE,), flags=_OPS_FLAGS, stem="ops")
+    except (OSError, AttributeError, subprocess.SubprocessError) as error:
+        return f"could not build the C++ ops: {error}"
+
+    def address(name: str, dtype: torch.dtype) -> int | None:  # None (null) where this CPU lacks the instructions
+        if not kernels.features & FEATURES[dtype]:
+            return None
+        return ctypes.cast(getattr(kernels.cdll, name), ctypes.c_void_p).value
+
+    ops.astrai_ops_bind.argtypes = [ctypes.c_void_p] * 4
+    ops.astrai_ops_bind(
+        address("astrai_decode_attention_f32", torch.float32), address("astrai_decode_attention_bf16", torch.bfloat16),
+        address("astrai_matvec_f32", torch.float32), address("astrai_matvec_bf16", torch.bfloat16),
+    )  # fmt: skip
+    return None
 
 
 def constant_when_compiled(fn: Any) -> Any:

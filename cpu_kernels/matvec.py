@@ -12,8 +12,9 @@ The C source is built with the folder's other kernels on first use (`astrai.cpu_
 
 `supports(dtype)` says whether the kernel runs here: an x86-64 CPU with AVX-512 (F, BW, VL; plus AVX512-BF16
 for bf16), a working compiler, and `ASTRAI_CPU_KERNELS` not set to 0. `unavailable_reason()` says why not.
-The `astrai::cpu_matvec` op is always correct: where the kernel cannot run it computes `matvec_ref`.
-No autograd: callers use it only when no gradient is needed.
+`matvec` is always correct: where the kernel cannot run it computes `matvec_ref`. The `astrai::cpu_matvec` op
+runs the kernel and raises where it cannot (callers ask `supports` first); its CPU kernel is `ops.cpp`'s where
+that builds, else `_op` here. No autograd: callers use it only when no gradient is needed.
 """
 
 from __future__ import annotations
@@ -120,12 +121,21 @@ def _arrays(weights: Sequence[Tensor]) -> tuple[Any, Any, int]:
     return found
 
 
-# `torch.ops.astrai.cpu_matvec`: opaque to torch.compile, which calls it from compiled decode steps. Registered
-# with torch.library directly rather than `custom_op`: a dispatch costs ~8 us here against ~18 us, and decode
-# calls it ~120 times per token.
+def _op(x: Tensor, weights: list[Tensor]) -> Tensor:
+    """The op's Python kernel: `matvec`, raising where the kernel cannot run, as `ops.cpp`'s does."""
+    reason = unavailable_reason(x.dtype) if x.device.type == "cpu" else f"x is on {x.device}, not the CPU"
+    if reason is not None:
+        raise ValueError(f"cpu_matvec cannot run here ({reason}); matvec() falls back to plain torch")
+    return matvec(x, weights)
+
+
+# `torch.ops.astrai.cpu_matvec`: opaque to torch.compile, which calls it from compiled decode steps (~120 times a
+# token at 2-8 rows). Registered with torch.library directly rather than `custom_op` (a dispatch costs ~8 us
+# against ~18 us); under CompositeExplicitAutograd, so that `ops.cpp`'s CPU kernel, where it loads, takes
+# precedence (~1 us a dispatch; `library.load` loads it).
 _LIBRARY = torch.library.Library("astrai", "FRAGMENT")
 _LIBRARY.define("cpu_matvec(Tensor x, Tensor[] weights) -> Tensor")
-_LIBRARY.impl("cpu_matvec", matvec, "CPU")
+_LIBRARY.impl("cpu_matvec", _op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("astrai::cpu_matvec", lib=_LIBRARY)

@@ -37,6 +37,7 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         "bench_packed_linear.py",
         "bench_matvec.py",
         "bench_cpu_attention.py",
+        "bench_cpu_ops.py",  # ~6 s: two worker processes
         # ~55 s: compiles two engines' and two bare decode steps; test_fuse_engine.py and test_param_guards.py
         # (tests/astrai/inference) check both choices themselves
         pytest.param("bench_step_layout.py", marks=pytest.mark.slow),
@@ -52,6 +53,9 @@ def test_smoke_mode_reports_json(script, tmp_path):
         ref = report["losses"]["astrai"]
         assert all(losses == pytest.approx(ref, rel=1e-4) for losses in report["losses"].values())
         assert report["goal"]["memory_ratio"] is not None and report["results"][0]["step_peak_mib"] > 0
+    elif report.get("benchmark") == "bench_cpu_ops":  # both arms measured, unless this machine has no kernels
+        assert report["results"] or report["skipped"] or report["ops_reason"], report
+        assert all(r["cpp_median"] > 0 and r["python_median"] > 0 for r in report["results"])
     elif report.get("benchmark") == "bench_host":  # every component measured
         assert {r["component"] for r in report["results"]} == {"meta", "engine", "sampling", "detok"}
         assert all(r["us_per_step"] > 0 for r in report["results"])

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import astrai
-from astrai.cpu_kernels import decode_attention as cpu_attention
 from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.inference.engine import Engine, EngineBusyError, EngineConfig, EngineDeadError
 from astrai.inference.errors import EngineInputError
@@ -217,23 +216,27 @@ def test_bad_requests_are_rejected_with_clear_errors(pair):
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
-def test_compiled_decode_equals_eager(pair, prompts, reference, background, monkeypatch):
+def test_compiled_decode_equals_eager(pair, prompts, reference, background):
     _, model = pair
     # on an AVX-512 CPU the 2-8-row decode steps run the hand-written matvec kernel (q/k/v with biases grouped),
-    # and every decode step the decode attention kernel
-    kernels, attention, calls, attention_calls = cpu_matvec._kernels(), cpu_attention._kernels(), [], []
-    if DEVICE == "cpu" and torch.float32 in kernels:
-        kernel, attend = kernels[torch.float32], attention[torch.float32]
-        monkeypatch.setitem(kernels, torch.float32, lambda *args: calls.append(args[1]) or kernel(*args))
-        monkeypatch.setitem(attention, torch.float32, lambda *args: attention_calls.append(args[1]) or attend(*args))
-    with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048, background=background)) as engine:
-        results = engine.generate(prompts[:5], GREEDY)
-        if DEVICE == "cuda":  # the compiled step was captured and replayed as CUDA graphs
-            assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    # and every decode step the decode attention kernel: the profiler sees their ops' calls (C++ kernels where
+    # `ops.cpp` builds, else the Python ones) and the rows of each
+    kernels = DEVICE == "cpu" and cpu_matvec.supports(torch.float32)
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # the engine's thread too
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                experimental_config=every_thread) as profile:  # fmt: skip
+        with Engine(model, EngineConfig(compile=True, kv_budget_tokens=2048, background=background)) as engine:
+            results = engine.generate(prompts[:5], GREEDY)
+            if DEVICE == "cuda":  # the compiled step was captured and replayed as CUDA graphs
+                assert engine.runner.graphs is not None and engine.runner.graphs.graphs
     assert [list(r.outputs[0].token_ids) for r in results] == reference[:5]
-    if DEVICE == "cpu" and torch.float32 in kernels:
-        assert calls and set(calls) <= set(range(2, 9))  # decode rows (one row keeps inductor's loop)
-        assert 5 in attention_calls  # the five requests decode together
+    if kernels:
+        # (calls on fake tensors while compiling record no shapes)
+        calls = [e for e in profile.events() if e.name.startswith("astrai::") and e.input_shapes and e.input_shapes[0]]
+        rows = {name: [e.input_shapes[0][0] for e in calls if e.name == f"astrai::{name}"]
+                for name in ("cpu_matvec", "cpu_decode_attention")}  # fmt: skip
+        assert rows["cpu_matvec"] and set(rows["cpu_matvec"]) <= set(range(2, 9))  # one row keeps inductor's loop
+        assert 5 in rows["cpu_decode_attention"]  # the five requests decode together
 
 
 def test_decode_buffers_pad_batches_to_buckets_without_stale_rows(pair, prompts, reference):

@@ -1,0 +1,147 @@
+/* The CPU kernels of the `astrai::cpu_decode_attention` and `astrai::cpu_matvec` ops, in C++ against torch's
+ * stable ABI: the dispatcher calls the C kernels of this folder with no Python in between.
+ *
+ * Why: compiled decode steps call these ops from inductor's Python wrapper once per layer (attention) or once per
+ * group of products (matvec, 2-8 rows), ~30-120 calls a token. Through the Python implementations
+ * (`decode_attention.py`, `matvec.py`) a call cost ~13 us of dispatch, checks and ctypes against ~5 us for the
+ * bare kernel call at 16 tokens; here it costs about the bare call (docs/benchmarks.md, "CPU ops in C++"). The
+ * Python implementations stay registered under CompositeExplicitAutograd and serve wherever this file cannot be
+ * built; a CPU kernel registered here takes precedence over them on CPU tensors.
+ *
+ * The stable headers compile in about a second (the full ATen ones take tens). The C kernels are not linked in:
+ * `library.py` builds them with the C compiler and hands their addresses to `astrai_ops_bind` after loading this
+ * library. The checks are those of the Python implementations; a failed one raises a RuntimeError naming it.
+ */
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+namespace {
+
+/* the C kernels' signatures (decode_attention.c, matvec.c); element pointers are untyped here */
+using AttentionFn = int (*)(const void *q, long B, long H, long D, const void *k, const void *v, long Kh, long k_s0,
+                            long k_s1, long v_s0, long v_s1, long pool_rows, const int32_t *table, long table_s0,
+                            long width, const int32_t *lens, long page_size, float scale, long window, void *out,
+                            int threads);
+using MatvecFn = void (*)(const void *x, long M, long K, const void *const *ws, const long *ns, long count, float *y,
+                          int threads);
+
+/* null where this CPU lacks the dtype's instructions (set once by `astrai_ops_bind`, before any call) */
+AttentionFn attention_f32 = nullptr, attention_bf16 = nullptr;
+MatvecFn matvec_f32 = nullptr, matvec_bf16 = nullptr;
+
+constexpr int64_t kMaxGroup = 16, kMaxDim = 256; /* decode_attention.c's MAX_GROUP and MAX_DIM */
+
+int threads() {
+    uint32_t n = 1;
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_get_num_threads(&n));
+    return n < 1 ? 1 : static_cast<int>(n);
+}
+
+const char *dtype_name(ScalarType t) {
+    return t == ScalarType::Float ? "float32" : t == ScalarType::BFloat16 ? "bfloat16" : "another dtype";
+}
+
+Tensor cpu_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens,
+                            int64_t page_size, double scale, int64_t window) {
+    STD_TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && block_table.is_cpu() && seq_lens.is_cpu(),
+                    "every tensor must be on the CPU");
+    ScalarType dtype = q.scalar_type();
+    STD_TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+                    "q and the caches must share one dtype, got ", dtype_name(dtype), "/",
+                    dtype_name(k_cache.scalar_type()), "/", dtype_name(v_cache.scalar_type()));
+    AttentionFn kernel = dtype == ScalarType::Float ? attention_f32 : dtype == ScalarType::BFloat16 ? attention_bf16
+                                                                                                    : nullptr;
+    STD_TORCH_CHECK(dtype == ScalarType::Float || dtype == ScalarType::BFloat16,
+                    "dtype ", dtype_name(dtype), " (wanted float32 or bfloat16)");
+    STD_TORCH_CHECK(kernel != nullptr, "this CPU lacks ",
+                    dtype == ScalarType::BFloat16 ? "AVX512-BF16" : "AVX-512 (F, BW, VL)");
+    STD_TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+                    "q [B, H, D] and caches [S, Kh, D] must be 3-d, got ", q.dim(), "-d and ",
+                    k_cache.dim(), "-d / ", v_cache.dim(), "-d");
+    int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+    STD_TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && kv_heads == v_cache.size(1) &&
+                        k_cache.size(2) == v_cache.size(2) && k_cache.size(2) == dim,
+                    "the caches' shapes differ from each other or from q's head dim ", dim);
+    STD_TORCH_CHECK(dim % 16 == 0 && dim <= kMaxDim && kv_heads > 0 && heads % kv_heads == 0 &&
+                        heads / kv_heads <= kMaxGroup,
+                    "head dim ", dim, " / heads ", heads, " over ", kv_heads,
+                    " (wanted dim % 16 == 0, <= 256; <= 16 per KV head)");
+    STD_TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+                    "the caches' last dim must be contiguous");
+    STD_TORCH_CHECK(block_table.scalar_type() == ScalarType::Int && seq_lens.scalar_type() == ScalarType::Int &&
+                        block_table.dim() == 2 && seq_lens.dim() == 1,
+                    "block_table [B, P] and seq_lens [B] must be int32");
+    STD_TORCH_CHECK(block_table.size(0) == batch && seq_lens.size(0) == batch && page_size >= 1,
+                    "", batch, " queries, block_table rows ", block_table.size(0),
+                    ", seq_lens ", seq_lens.size(0), ", page size ", page_size);
+    if (batch == 0 || k_cache.size(0) < page_size) return torch::stable::new_zeros(q, {batch, heads, dim});
+    Tensor out = torch::stable::new_empty(q, {batch, heads, dim});
+    Tensor query = torch::stable::contiguous(q);
+    Tensor table = block_table.stride(1) == 1 ? block_table : torch::stable::contiguous(block_table);
+    Tensor lens = torch::stable::contiguous(seq_lens);
+    int status = kernel(query.data_ptr(), batch, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), kv_heads,
+                        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_cache.size(0),
+                        static_cast<const int32_t *>(table.data_ptr()), table.stride(0), table.size(1),
+                        static_cast<const int32_t *>(lens.data_ptr()), page_size, static_cast<float>(scale), window,
+                        out.data_ptr(), threads());
+    STD_TORCH_CHECK(status == 0, "could not allocate its split buffers");
+    return out;
+}
+
+Tensor cpu_matvec(Tensor x, std::vector<Tensor> weights) {
+    STD_TORCH_CHECK(x.dim() == 2 && !weights.empty(),
+                    "takes x [M, K] and at least one weight, got a ", x.dim(), "-d x and ",
+                    weights.size(), " weights");
+    ScalarType dtype = x.scalar_type();
+    int64_t rows = x.size(0), depth = x.size(1), total = 0;
+    for (const Tensor &w : weights) {
+        STD_TORCH_CHECK(w.dim() == 2 && w.size(1) == depth && w.scalar_type() == dtype && w.is_cpu() && x.is_cpu(),
+                        "weight (", w.dim(), "-d, ", w.dim() == 2 ? w.size(1) : -1, " columns, ",
+                        dtype_name(w.scalar_type()), ") does not fit x [", rows, ", ", depth, "] ",
+                        dtype_name(dtype), " (wanted [N, ", depth, "], same dtype, both on the CPU)");
+        total += w.size(0);
+    }
+    MatvecFn kernel = dtype == ScalarType::Float ? matvec_f32 : dtype == ScalarType::BFloat16 ? matvec_bf16 : nullptr;
+    STD_TORCH_CHECK(kernel != nullptr, "cannot run ", dtype_name(dtype), " here (",
+                    dtype == ScalarType::BFloat16 ? "this CPU lacks AVX512-BF16"
+                    : dtype == ScalarType::Float  ? "this CPU lacks AVX-512"
+                                                  : "float32 and bfloat16 are supported",
+                    "); astrai.cpu_kernels.matvec.matvec falls back to plain torch");
+    if (depth == 0) return torch::stable::new_zeros(x, {rows, total}, ScalarType::Float);
+    Tensor out = torch::stable::new_empty(x, {rows, total}, ScalarType::Float);
+    if (rows == 0 || total == 0) return out;
+    Tensor input = torch::stable::contiguous(x);
+    std::vector<Tensor> held; /* contiguous copies of strided weights live until the kernel returns */
+    std::vector<const void *> pointers;
+    std::vector<long> counts;
+    for (const Tensor &w : weights) {
+        const Tensor &dense = w.is_contiguous() ? w : held.emplace_back(torch::stable::contiguous(w));
+        pointers.push_back(dense.data_ptr());
+        counts.push_back(w.size(0));
+    }
+    kernel(input.data_ptr(), rows, depth, pointers.data(), counts.data(), static_cast<long>(weights.size()),
+           static_cast<float *>(out.data_ptr()), threads());
+    return out;
+}
+
+}  // namespace
+
+extern "C" void astrai_ops_bind(void *attention_f32_fn, void *attention_bf16_fn, void *matvec_f32_fn,
+                                void *matvec_bf16_fn) {
+    attention_f32 = reinterpret_cast<AttentionFn>(attention_f32_fn);
+    attention_bf16 = reinterpret_cast<AttentionFn>(attention_bf16_fn);
+    matvec_f32 = reinterpret_cast<MatvecFn>(matvec_f32_fn);
+    matvec_bf16 = reinterpret_cast<MatvecFn>(matvec_bf16_fn);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(astrai, CPU, m) {
+    m.impl("cpu_decode_attention", TORCH_BOX(&cpu_decode_attention));
+    m.impl("cpu_matvec", TORCH_BOX(&cpu_matvec));
+}
