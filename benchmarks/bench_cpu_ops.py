@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import console
+from _common import console, emit
 from rich.table import Table
 
 ARMS = ("cpp", "python")
@@ -168,9 +168,7 @@ def main() -> None:
         return
     report = run(args)
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
