@@ -26,6 +26,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -141,6 +142,7 @@ def _open(compiler: list[str], entries: tuple[str, ...], **build: Any) -> ctypes
     off for good."""
     try:
         target = _build(compiler, **build)
+        _check_complete(target)
         cdll = ctypes.CDLL(str(target))
         for name in entries:
             getattr(cdll, name)
@@ -158,6 +160,26 @@ def _open(compiler: list[str], entries: tuple[str, ...], **build: Any) -> ctypes
         return ctypes.CDLL(private)
     finally:
         os.unlink(private)
+
+
+def _check_complete(path: Path) -> None:
+    """Raise OSError unless `path` is an x86-64 ELF file holding every segment and section its headers name. dlopen
+    maps a truncated library's segments past the end of the file, and the process dies of SIGBUS on touching them
+    (a short file, cut by a damaged disk or a copy that did not finish, crashed the loading process)."""
+    data = path.read_bytes()
+    if len(data) < 64 or data[:6] != b"\x7fELF\x02\x01":  # ELF, 64-bit, little-endian
+        raise OSError(f"{path} is not a 64-bit ELF library")
+    ph_off, sh_off = struct.unpack_from("<QQ", data, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", data, 0x36)
+    end = max(ph_off + ph_size * ph_count, sh_off + sh_size * sh_count)
+    if end > len(data):
+        raise OSError(f"{path} is truncated ({len(data)} of at least {end} bytes)")
+    for index in range(ph_count):  # each segment's bytes in the file: p_offset at +8, p_filesz at +32
+        (offset,) = struct.unpack_from("<Q", data, ph_off + index * ph_size + 8)
+        (size,) = struct.unpack_from("<Q", data, ph_off + index * ph_size + 32)
+        end = max(end, offset + size)
+    if end > len(data):
+        raise OSError(f"{path} is truncated ({len(data)} of {end} bytes)")
 
 
 # every kernel module's entry points: a cached library missing one of them is stale or damaged

@@ -174,3 +174,31 @@ def test_without_a_cpp_compiler_the_python_kernels_serve(tmp_path):
     assert cpu == "[]"  # no CPU kernel: CompositeExplicitAutograd's Python one serves
     assert error.startswith("ValueError cpu_matvec cannot run here") and "falls back" in error
     assert [path.name.split("-")[0] for path in (tmp_path / "astrai" / "cpu_kernels").iterdir()] == ["kernels"]
+
+
+_LOAD = """
+import torch
+from astrai.cpu_kernels import library, matvec
+print(library.load().ops_reason)
+x, w = torch.randn(3, 16), torch.randn(5, 16)
+assert torch.equal(torch.ops.astrai.cpu_matvec(x, [w]), matvec.matvec(x, [w]))
+"""
+
+
+def test_a_damaged_cached_ops_library_is_rebuilt(tmp_path):
+    """A truncated file under the C++ ops library's cache name (a crash mid-copy, a full disk): the next process
+    rebuilds it and loads the C++ kernels, rather than failing or silently keeping the slow path."""
+    _needs_ops(torch.float32)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+
+    def run() -> str:
+        proc = subprocess.run([sys.executable, "-c", _LOAD], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip()
+
+    assert run() == "None"
+    (built,) = (tmp_path / "astrai" / "cpu_kernels").glob("ops-*.so")
+    size = built.stat().st_size
+    built.write_bytes(built.read_bytes()[:4096])
+    assert run() == "None"
+    assert built.stat().st_size == size  # rebuilt in place
