@@ -66,20 +66,16 @@ def _disabled() -> bool:
     return os.environ.get("ASTRAI_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _compiler() -> list[str] | None:
-    """The C compiler command: `$CC` (may carry flags), else the first of cc, gcc, clang on PATH."""
-    if os.environ.get("CC", "").strip():
-        return shlex.split(os.environ["CC"])
-    found = next((shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
+def _compiler(variable: str = "CC", names: Sequence[str] = ("cc", "gcc", "clang")) -> list[str] | None:
+    """The compiler command: `$variable` (may carry flags), else the first of `names` on PATH (C by default; the
+    C++ one is `_compiler("CXX", CXX_NAMES)`)."""
+    if os.environ.get(variable, "").strip():
+        return shlex.split(os.environ[variable])
+    found = next((shutil.which(name) for name in names if shutil.which(name)), None)
     return [found] if found else None
 
 
-def _cxx_compiler() -> list[str] | None:
-    """The C++ compiler command: `$CXX` (may carry flags), else the first of c++, g++, clang++ on PATH."""
-    if os.environ.get("CXX", "").strip():
-        return shlex.split(os.environ["CXX"])
-    found = next((shutil.which(name) for name in ("c++", "g++", "clang++") if shutil.which(name)), None)
-    return [found] if found else None
+CXX_NAMES = ("c++", "g++", "clang++")
 
 
 def build_dir() -> Path:
@@ -215,7 +211,7 @@ def load() -> Library:
 def _load_ops(kernels: Library) -> str | None:
     """Build and load `ops.cpp` (registering its CPU kernels of the ops) and bind the C kernels' addresses for
     the dtypes this CPU runs; None, or why not. Bound before the first call: `load()` runs under its lock."""
-    compiler = _cxx_compiler()
+    compiler = _compiler("CXX", CXX_NAMES)
     if compiler is None:
         return "no C++ compiler found (set CXX, or install g++ or clang++)"
     if not (_TORCH_DIR / "include" / "torch" / "csrc" / "stable" / "library.h").is_file():
