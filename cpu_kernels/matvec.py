@@ -122,9 +122,10 @@ def _arrays(weights: Sequence[Tensor]) -> tuple[Any, Any, int]:
 
 
 def _op(x: Tensor, weights: list[Tensor]) -> Tensor:
-    """The op's Python kernel: `matvec`, raising where the kernel cannot run, as `ops.cpp`'s does."""
-    reason = unavailable_reason(x.dtype) if x.device.type == "cpu" else f"x is on {x.device}, not the CPU"
-    if reason is not None:
+    """The op's Python kernel: `matvec`, raising where the kernel cannot run, as `ops.cpp`'s does (the reason is
+    looked up only then: this runs per call where `ops.cpp` is not built)."""
+    if x.device.type != "cpu" or x.dtype not in _kernels():
+        reason = unavailable_reason(x.dtype) if x.device.type == "cpu" else f"x is on {x.device}, not the CPU"
         raise ValueError(f"cpu_matvec cannot run here ({reason}); matvec() falls back to plain torch")
     return matvec(x, weights)
 
