@@ -7,6 +7,11 @@ median tok/s of `--repeats` whole calls with min/max, the weight bytes one decod
 makes (the machine's read bandwidth is measured in the same run), and the ratio to fp32. transformers
 `generate` (eager, fp32, same weights) is the context row.
 
+Batched decode (`--step-rows R [R ...]`): the engine's compiled decode step with R requests decoding, for the
+same four weight variants, each on its own `Engine` (`background=False`) in this process: after a warm-up, `--rounds`
+rounds of 12 steps per variant, the variants in alternating order, so each sees the same minutes of a shared
+machine. Per variant and R: the median of the round medians in ms (min-max), and the ratio to fp32.
+
 Quality (`--quality-model`, default `runs/quickstart/model`, the model `make run` trains, when it exists), on
 the quickstart's held-out problems, unquantized vs int8: perplexity of the whole chats through `astrai eval
 ppl`'s code (`astrai.eval.ppl.evaluate`); perplexity of the answers given their questions (the tokens the SFT
@@ -88,6 +93,51 @@ def speed_rows(base: Model, prompt: list[list[int]], args, hf_tok_s: float) -> l
     return rows
 
 
+def step_rows(base: Model, args) -> list[dict]:
+    """ms per compiled decode step with R decoding requests, per weight variant (see the module docstring)."""
+    from profile_step import Workload
+
+    from astrai.inference.engine import Engine, EngineConfig
+
+    variants = {}
+    for dtype in ("float32", "bfloat16"):
+        params = base.params if dtype == "float32" else astrai.tree.tree_map(lambda t: t.to(torch.bfloat16),
+                                                                              base.params)  # fmt: skip
+        for quantize in (None, "int8"):
+            name = f"{dtype}{' + int8' if quantize else ''}"
+            variants[name] = Model(config=base.config, params=quantize_params(params, quantize) if quantize else params,
+                                   tokenizer=None, eos_token_ids=())  # fmt: skip
+    rows_out = []
+    for rows in args.step_rows:
+        cfg = EngineConfig(background=False, max_running=rows + 4, max_step_tokens=256, prefix_cache=False)
+        engines = {name: Engine(model, cfg) for name, model in variants.items()}
+        try:
+            loads = {name: Workload(engine, rows, "cpu") for name, engine in engines.items()}
+            for load in loads.values():  # compiles this row count's graph
+                for _ in range(3):
+                    load.decode()
+            rounds: dict[str, list[float]] = {name: [] for name in loads}
+            for r in range(args.rounds):
+                for name in list(loads) if r % 2 == 0 else list(loads)[::-1]:
+                    times = []
+                    for _ in range(12):
+                        start = time.perf_counter()
+                        loads[name].decode()
+                        times.append(1e3 * (time.perf_counter() - start))
+                    rounds[name].append(statistics.median(times))
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+        fp32 = statistics.median(rounds["float32"])
+        for name, values in rounds.items():
+            ms = statistics.median(values)
+            rows_out.append(dict(weights=name, rows=rows, step_ms=ms, step_ms_min=min(values), step_ms_max=max(values),
+                                 vs_fp32=fp32 / ms))  # fmt: skip
+        summary = ", ".join(f"{n} {statistics.median(v):.1f} ms" for n, v in rounds.items())
+        console.print(f"[dim]{rows} rows: {summary}")
+    return rows_out
+
+
 def quality_rows(folder: Path, args) -> list[dict]:
     import math
 
@@ -141,12 +191,13 @@ def run(args) -> dict:
     agree = next((i for i, (a, b) in enumerate(zip(fp32_tokens, int8_tokens, strict=True)) if a != b), len(fp32_tokens))
     for row in speed:
         row.pop("tokens", None)
+    steps = step_rows(model, args) if args.step_rows else []
     folder = args.quality_model
     quality = quality_rows(folder, args) if folder is not None and (folder / "config.json").is_file() else []
     return dict(benchmark="bench_quant", config=args.config, threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine(), torch=torch.__version__,
                 memory_read_gbs=bandwidth, prompt_len=args.prompt_len, new_tokens=args.new, repeats=args.repeats,
-                int8_greedy_tokens_before_divergence=agree, speed=speed,
+                int8_greedy_tokens_before_divergence=agree, speed=speed, steps=steps,
                 quality_model=str(folder) if quality else None, quality=quality)  # fmt: skip
 
 
@@ -159,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--quality-model", type=Path, default=QUICKSTART_MODEL)
     parser.add_argument("--problems", type=int, default=810, help="held-out quickstart problems scored")
+    parser.add_argument("--step-rows", type=int, nargs="*", default=[], help="batched decode: ms per engine step")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per --step-rows entry")
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -171,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"{report['new_tokens']} new, {report['threads']} threads, astrai.generate_ids (cached "
                         f"compiled engine); median of {report['repeats']}; read bandwidth "
                         f"{report['memory_read_gbs']:.1f} GB/s", report["speed"], cols))  # fmt: skip
+    if report["steps"]:
+        scols = [("weights", ""), ("rows", "d"), ("step_ms", ".2f"), ("step_ms_min", ".2f"), ("step_ms_max", ".2f"),
+                 ("vs_fp32", ".2f")]  # fmt: skip
+        console.print(table(f"compiled decode step, R requests decoding, median of {args.rounds} alternating rounds "
+                            "(min-max); vs_fp32 > 1 is faster", report["steps"], scols))  # fmt: skip
     if report["quality"]:
         qcols = [("weights", ""), ("mib", ".2f"), ("ppl", ".4f"), ("tokens", "d"), ("ppl_change", "+.3%"),
                  ("answer_ppl", ".5f"), ("answer_tokens", "d"), ("answer_ppl_change", "+.3%"), ("accuracy", ".4f"),
