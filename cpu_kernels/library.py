@@ -179,8 +179,8 @@ def _check_complete(path: Path) -> None:
 
 
 # every kernel module's entry points: a cached library missing one of them is stale or damaged
-ENTRIES = ("astrai_cpu_features", "astrai_matvec_f32", "astrai_matvec_bf16", "astrai_decode_attention_f32",
-           "astrai_decode_attention_bf16")  # fmt: skip
+ENTRIES = ("astrai_cpu_features", "astrai_matvec_f32", "astrai_matvec_bf16", "astrai_matvec_i8_f32",
+           "astrai_matvec_i8_bf16", "astrai_decode_attention_f32", "astrai_decode_attention_bf16")  # fmt: skip
 
 
 def load() -> Library:
@@ -226,10 +226,11 @@ def _load_ops(kernels: Library) -> str | None:
             return None
         return ctypes.cast(getattr(kernels.cdll, name), ctypes.c_void_p).value
 
-    ops.astrai_ops_bind.argtypes = [ctypes.c_void_p] * 4
+    ops.astrai_ops_bind.argtypes = [ctypes.c_void_p] * 6
     ops.astrai_ops_bind(
         address("astrai_decode_attention_f32", torch.float32), address("astrai_decode_attention_bf16", torch.bfloat16),
         address("astrai_matvec_f32", torch.float32), address("astrai_matvec_bf16", torch.bfloat16),
+        address("astrai_matvec_i8_f32", torch.float32), address("astrai_matvec_i8_bf16", torch.bfloat16),
     )  # fmt: skip
     return None
 

@@ -10,9 +10,13 @@
  * instruction treats subnormal inputs as zero), fp32 with FMA. Threads: OpenMP, through the process's own
  * libgomp (torch's, already loaded), with the count the caller passes (torch.get_num_threads()).
  *
+ * int8 weights (weight-only quantization, `astrai.ops.quant`) are widened in registers, 16 at a time, to fp32 for an
+ * fp32 x, or to bf16 pairs for `vdpbf16ps` with a bf16 x (exact either way: |w| <= 127). The kernel returns the
+ * product with the integer weights; the caller multiplies each column by its weight row's scale.
+ *
  * Interface (ctypes, astrai.cpu_kernels.matvec): `count` weights w[g] of shape [ns[g], K], all multiplying
  * the same x [M, K] (q/k/v, gate/up in one call); y [M, sum ns] fp32, weight g's columns after weight g-1's.
- * Rows of x, w and y are contiguous.
+ * Rows of x, w and y are contiguous; no alignment is assumed.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -73,6 +77,59 @@ INLINE TARGET_F32 void dot_f32(const float *x, const float *w, long K, float *y,
     for (int r = 0; r < rows; r++) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
+/* 16 int8 weights widened to fp32 (masked-off lanes read nothing and give 0) */
+INLINE TARGET_F32 __m512 widen16_i8(const int8_t *w, __mmask16 mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
+
+/* 32 int8 weights as bf16 (exact for |w| <= 256), in memory order: lane j of the result is w[j] */
+INLINE TARGET_BF16 __m512bh widen32_i8_bf16(const int8_t *w, __mmask32 mask) {
+    __m256i bytes = _mm256_maskz_loadu_epi8(mask, w);
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+INLINE TARGET_F32 void dot_i8_f32(const float *x, const int8_t *w, long K, float *y, long ldy, int rows) {
+    __m512 even[ROWS], odd[ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 w0 = widen16_i8(w + k, 0xffff), w1 = widen16_i8(w + k + 16, 0xffff);
+        for (int r = 0; r < rows; r++) {
+            even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), w0, even[r]);
+            odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16), w1, odd[r]);
+        }
+    }
+    for (; k < K; k += 16) {
+        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        __m512 w0 = widen16_i8(w + k, mask);
+        for (int r = 0; r < rows; r++)
+            even[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + r * K + k), w0, even[r]);
+    }
+    for (int r = 0; r < rows; r++) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+INLINE TARGET_BF16 void dot_i8_bf16(const uint16_t *x, const int8_t *w, long K, float *y, long ldy, int rows) {
+    __m512 even[ROWS], odd[ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512bh w0 = widen32_i8_bf16(w + k, 0xffffffffu), w1 = widen32_i8_bf16(w + k + 32, 0xffffffffu);
+        for (int r = 0; r < rows; r++) {
+            even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(x + r * K + k), w0);
+            odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_loadu_si512(x + r * K + k + 32), w1);
+        }
+    }
+    for (; k < K; k += 32) {
+        __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+        __m512bh w0 = widen32_i8_bf16(w + k, mask);
+        for (int r = 0; r < rows; r++)
+            even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * K + k), w0);
+    }
+    for (int r = 0; r < rows; r++) y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
 /* one weight row against all M x rows, ROWS at a time (each block size gets its own unrolled copy) */
 #define ROW_AGAINST_X(DOT, x, w, M, K, y, ldy)                                                     \
     for (long m = 0; m < (M); m += ROWS) {                                                           \
@@ -83,15 +140,15 @@ INLINE TARGET_F32 void dot_f32(const float *x, const float *w, long K, float *y,
     }
 
 /* an exported entry: each weight's rows split evenly across the threads, each thread's share read in order */
-#define DEFINE_MATVEC(NAME, TARGET, T, DOT)                                                                  \
-    TARGET void NAME(const T *x, long M, long K, const T *const *ws, const long *ns, long count, float *y,    \
+#define DEFINE_MATVEC(NAME, TARGET, TX, TW, DOT)                                                             \
+    TARGET void NAME(const TX *x, long M, long K, const TW *const *ws, const long *ns, long count, float *y,  \
                      int threads) {                                                                           \
         long ldy = 0;                                                                                         \
         for (long g = 0; g < count; g++) ldy += ns[g];                                                        \
         _Pragma("omp parallel num_threads(threads)") {                                                        \
             long offset = 0;                                                                                  \
             for (long g = 0; g < count; g++) {                                                                \
-                const T *w = ws[g];                                                                           \
+                const TW *w = ws[g];                                                                          \
                 _Pragma("omp for schedule(static) nowait")                                                    \
                 for (long n = 0; n < ns[g]; n++) ROW_AGAINST_X(DOT, x, w + n * K, M, K, y + offset + n, ldy)  \
                 offset += ns[g];                                                                              \
@@ -99,5 +156,7 @@ INLINE TARGET_F32 void dot_f32(const float *x, const float *w, long K, float *y,
         }                                                                                                     \
     }
 
-DEFINE_MATVEC(astrai_matvec_bf16, TARGET_BF16, uint16_t, dot_bf16)
-DEFINE_MATVEC(astrai_matvec_f32, TARGET_F32, float, dot_f32)
+DEFINE_MATVEC(astrai_matvec_bf16, TARGET_BF16, uint16_t, uint16_t, dot_bf16)
+DEFINE_MATVEC(astrai_matvec_f32, TARGET_F32, float, float, dot_f32)
+DEFINE_MATVEC(astrai_matvec_i8_bf16, TARGET_BF16, uint16_t, int8_t, dot_i8_bf16)
+DEFINE_MATVEC(astrai_matvec_i8_f32, TARGET_F32, float, int8_t, dot_i8_f32)

@@ -8,13 +8,17 @@ accumulation), so the weight is never widened. Measured over all projections of 
 development box: 16-25 GB/s against the loop's 5-12 (bf16, 1-4 rows); a compiled decode step 1.6-2.4x faster
 in bf16 at 2-8 rows, 1.1-1.4x in fp32 at 2-4 (docs/benchmarks.md, "CPU matvec kernel").
 
+int8 weights (`astrai.ops.quant`'s weight-only quantization) multiply an fp32 or bf16 x the same way, widened in
+registers: the result is the product with the integer weights, and the caller applies the per-row scales.
+
 The C source is built with the folder's other kernels on first use (`astrai.cpu_kernels.library`).
 
-`supports(dtype)` says whether the kernel runs here: an x86-64 CPU with AVX-512 (F, BW, VL; plus AVX512-BF16
-for bf16), a working compiler, and `ASTRAI_CPU_KERNELS` not set to 0. `unavailable_reason()` says why not.
-`matvec` is always correct: where the kernel cannot run it computes `matvec_ref`. The `astrai::cpu_matvec` op
-runs the kernel and raises where it cannot (callers ask `supports` first); its CPU kernel is `ops.cpp`'s where
-that builds, else `_op` here. No autograd: callers use it only when no gradient is needed.
+`supports(dtype)` says whether the kernel runs here for an x of `dtype` (with weights of that dtype or int8):
+an x86-64 CPU with AVX-512 (F, BW, VL; plus AVX512-BF16 for bf16), a working compiler, and `ASTRAI_CPU_KERNELS`
+not set to 0. `unavailable_reason()` says why not. `matvec` is always correct: where the kernel cannot run it
+computes `matvec_ref`. The `astrai::cpu_matvec` op runs the kernel and raises where it cannot (callers ask
+`supports` first); its CPU kernel is `ops.cpp`'s where that builds, else `_op` here. No autograd: callers use it
+only when no gradient is needed.
 """
 
 from __future__ import annotations
@@ -32,18 +36,19 @@ from .library import build_dir
 __all__ = ["build_dir", "matvec", "matvec_ref", "supports", "unavailable_reason"]
 
 _FUNCTIONS = {torch.float32: "astrai_matvec_f32", torch.bfloat16: "astrai_matvec_bf16"}
+_FUNCTIONS_INT8 = {torch.float32: "astrai_matvec_i8_f32", torch.bfloat16: "astrai_matvec_i8_bf16"}  # by x's dtype
 # x, M, K, weight pointers, weight rows, weight count, y, threads
 _ARGUMENTS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
               ctypes.POINTER(ctypes.c_long), ctypes.c_long, ctypes.c_void_p, ctypes.c_int)  # fmt: skip
-_KERNELS: dict[torch.dtype, Any] | None = None
+_KERNELS: dict[bool, dict[torch.dtype, Any]] = {}
 
 
-def _kernels() -> dict[torch.dtype, Any]:
-    """The ctypes entry of each dtype this CPU runs (empty without the library)."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = library.bind(_FUNCTIONS, _ARGUMENTS, None)
-    return _KERNELS
+def _kernels(int8: bool = False) -> dict[torch.dtype, Any]:
+    """The ctypes entry for each x dtype this CPU runs, for weights of x's dtype or int8 (empty without the
+    library)."""
+    if int8 not in _KERNELS:
+        _KERNELS[int8] = library.bind(_FUNCTIONS_INT8 if int8 else _FUNCTIONS, _ARGUMENTS, None)
+    return _KERNELS[int8]
 
 
 def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -66,27 +71,32 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def matvec_ref(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
-    """The plain-torch reference: x [M, K] @ cat(weights).T in fp32 -> [M, sum N] fp32."""
+    """The plain-torch reference: x [M, K] @ cat(weights).T in fp32 -> [M, sum N] fp32 (int8 weights as their
+    integer values)."""
     return x.float() @ torch.cat([w.float() for w in weights]).T
 
 
 def _check(x: Tensor, weights: Sequence[Tensor]) -> None:
     if x.dim() != 2 or not weights:
         raise ValueError(f"matvec takes x [M, K] and at least one weight, got x {tuple(x.shape)}")
+    kind = weights[0].dtype if weights[0].dtype in (x.dtype, torch.int8) else x.dtype
     for w in weights:
-        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or w.device != x.device:
+        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != kind or w.device != x.device:
             raise ValueError(
                 f"matvec weight {tuple(w.shape)} {w.dtype} on {w.device} does not fit x {tuple(x.shape)} "
-                f"{x.dtype} on {x.device} (wanted [N, {x.shape[1]}], same dtype and device)"
+                f"{x.dtype} on {x.device} (wanted [N, {x.shape[1]}] on its device, every weight of x's dtype "
+                "or every one int8)"
             )
 
 
 def matvec(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
     """x [M, K] @ cat(weights).T -> [M, sum N] fp32: one call for weights that share an input (q/k/v,
-    gate/up), each weight's columns after the previous one's. The kernel where `supports(x.dtype)`, else
-    `matvec_ref`. Meant for few rows (it loads each weight once per two rows of x)."""
+    gate/up), each weight's columns after the previous one's; weights of x's dtype, or all int8 (their integer
+    values: the caller applies the scales). The kernel where `supports(x.dtype)`, else `matvec_ref`. Meant for
+    few rows (it loads each weight once per two rows of x)."""
     _check(x, weights)
-    kernel = _kernels().get(x.dtype) if x.device.type == "cpu" and x.shape[1] else None
+    int8 = weights[0].dtype == torch.int8
+    kernel = _kernels(int8).get(x.dtype) if x.device.type == "cpu" and x.shape[1] else None
     if kernel is None:
         return matvec_ref(x, weights)
     x = x if x.is_contiguous() else x.contiguous()
@@ -124,7 +134,7 @@ def _arrays(weights: Sequence[Tensor]) -> tuple[Any, Any, int]:
 def _op(x: Tensor, weights: list[Tensor]) -> Tensor:
     """The op's Python kernel: `matvec`, raising where the kernel cannot run, as `ops.cpp`'s does (the reason is
     looked up only then: this runs per call where `ops.cpp` is not built)."""
-    if x.device.type != "cpu" or x.dtype not in _kernels():
+    if x.device.type != "cpu" or x.dtype not in _kernels(bool(weights) and weights[0].dtype == torch.int8):
         reason = unavailable_reason(x.dtype) if x.device.type == "cpu" else f"x is on {x.device}, not the CPU"
         raise ValueError(f"cpu_matvec cannot run here ({reason}); matvec() falls back to plain torch")
     return matvec(x, weights)

@@ -34,7 +34,7 @@ using MatvecFn = void (*)(const void *x, long M, long K, const void *const *ws, 
 
 /* null where this CPU lacks the dtype's instructions (set once by `astrai_ops_bind`, before any call) */
 AttentionFn attention_f32 = nullptr, attention_bf16 = nullptr;
-MatvecFn matvec_f32 = nullptr, matvec_bf16 = nullptr;
+MatvecFn matvec_f32 = nullptr, matvec_bf16 = nullptr, matvec_i8_f32 = nullptr, matvec_i8_bf16 = nullptr;
 
 constexpr int64_t kMaxGroup = 16, kMaxDim = 256; /* decode_attention.c's MAX_GROUP and MAX_DIM */
 
@@ -102,15 +102,21 @@ Tensor cpu_matvec(Tensor x, std::vector<Tensor> weights) {
                     "takes x [M, K] and at least one weight, got a ", x.dim(), "-d x and ",
                     weights.size(), " weights");
     ScalarType dtype = x.scalar_type();
+    /* weights of x's dtype, or all int8 (weight-only quantization: the product with their integer values) */
+    bool int8 = weights[0].scalar_type() == ScalarType::Char;
+    ScalarType kind = int8 ? ScalarType::Char : dtype;
     int64_t rows = x.size(0), depth = x.size(1), total = 0;
     for (const Tensor &w : weights) {
-        STD_TORCH_CHECK(w.dim() == 2 && w.size(1) == depth && w.scalar_type() == dtype && w.is_cpu() && x.is_cpu(),
+        STD_TORCH_CHECK(w.dim() == 2 && w.size(1) == depth && w.scalar_type() == kind && w.is_cpu() && x.is_cpu(),
                         "weight (", w.dim(), "-d, ", w.dim() == 2 ? w.size(1) : -1, " columns, ",
-                        dtype_name(w.scalar_type()), ") does not fit x [", rows, ", ", depth, "] ",
-                        dtype_name(dtype), " (wanted [N, ", depth, "], same dtype, both on the CPU)");
+                        w.scalar_type() == ScalarType::Char ? "int8" : dtype_name(w.scalar_type()),
+                        ") does not fit x [", rows, ", ", depth, "] ", dtype_name(dtype), " (wanted [N, ", depth,
+                        "], every weight of x's dtype or every one int8, all on the CPU)");
         total += w.size(0);
     }
-    MatvecFn kernel = dtype == ScalarType::Float ? matvec_f32 : dtype == ScalarType::BFloat16 ? matvec_bf16 : nullptr;
+    MatvecFn kernel = dtype == ScalarType::Float      ? (int8 ? matvec_i8_f32 : matvec_f32)
+                      : dtype == ScalarType::BFloat16 ? (int8 ? matvec_i8_bf16 : matvec_bf16)
+                                                      : nullptr;
     STD_TORCH_CHECK(kernel != nullptr, "cannot run ", dtype_name(dtype), " here (",
                     dtype == ScalarType::BFloat16 ? "this CPU lacks AVX512-BF16"
                     : dtype == ScalarType::Float  ? "this CPU lacks AVX-512"
@@ -135,11 +141,13 @@ Tensor cpu_matvec(Tensor x, std::vector<Tensor> weights) {
 }  // namespace
 
 extern "C" void astrai_ops_bind(void *attention_f32_fn, void *attention_bf16_fn, void *matvec_f32_fn,
-                                void *matvec_bf16_fn) {
+                                void *matvec_bf16_fn, void *matvec_i8_f32_fn, void *matvec_i8_bf16_fn) {
     attention_f32 = reinterpret_cast<AttentionFn>(attention_f32_fn);
     attention_bf16 = reinterpret_cast<AttentionFn>(attention_bf16_fn);
     matvec_f32 = reinterpret_cast<MatvecFn>(matvec_f32_fn);
     matvec_bf16 = reinterpret_cast<MatvecFn>(matvec_bf16_fn);
+    matvec_i8_f32 = reinterpret_cast<MatvecFn>(matvec_i8_f32_fn);
+    matvec_i8_bf16 = reinterpret_cast<MatvecFn>(matvec_i8_bf16_fn);
 }
 
 STABLE_TORCH_LIBRARY_IMPL(astrai, CPU, m) {

@@ -7,10 +7,13 @@ rewrite only applies while `torch.compile` traces (in eager mode it would materi
 product) and only up to `MAX_REDUCE_ROWS` rows, past which the GEMM wins again.
 
 int8 weight-only (`scale` given, `astrai.ops.quant`): the weight is int8 [out, in] and `scale` [out] its
-per-row scale. In the same compiled few-row loop the int8 → fp32 widening happens in registers, so decode reads
-a quarter of the fp32 bytes (measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md). Elsewhere (eager,
-many rows, GPU) the weight is widened to the input's dtype and multiplied as usual, the scale applied to the
-product's columns; under `torch.compile` on GPU inductor fuses the widening into the matmul.
+per-row scale. CPU products of up to `INT8_KERNEL_MAX_ROWS` (16) rows, compiled or eager, call the same
+hand-written kernel as below (from 1 row with a bf16 x, 2 with fp32), which widens the int8 weights in registers
+(to fp32, or to bf16 pairs for a bf16 x), so decode reads a quarter of the fp32 bytes; the scale and bias then
+apply to the fp32 product. Without the kernel, few-row compiled products take the loop, which does the widening in
+registers too (measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md). Elsewhere (more rows, GPU) the
+weight is widened to the input's dtype and multiplied as usual, the scale applied to the product's columns; under
+`torch.compile` on GPU inductor fuses the widening into the matmul.
 
 With 2-8 rows of fp32 or bf16 (batched decode, n > 1 sampling) on an AVX-512 CPU, the products instead
 call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
@@ -42,6 +45,15 @@ MAX_REDUCE_ROWS = 8  # measured crossover on a 2-core EPYC: the reduce form wins
 # the loop's: a bound of its own would split the 2-8-row decode graph in two (a recompile on CPU when a batch
 # crosses it), for fp32 at 5-8 rows, where the kernel measured within the noise of the loop.
 MIN_KERNEL_ROWS = 2
+# int8 weights take the kernel from one row with a bf16 x: inductor's loop widens them through fp32 per row, and a
+# whole SmolLM2-135M decode step ran 2.1x faster through the kernel (6.5 vs 13.4 ms). With an fp32 x the loop was as
+# fast or faster at one row (5.1 vs 6.3 ms, 7.2 vs 7.3), and the kernel wins from two rows (1.4-1.5x at 4-8 rows).
+MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
+# int8 products of up to this many rows take the kernel, compiled or eager; the engine's decode graph above 8 rows
+# then splits at 16 (one more graph for int8 models). At 16 rows a SmolLM2-135M step took 31.7 ms against 84.5 with
+# the weights widened for the GEMM (fp32 x), 29.1 against 52.1 (bf16 x); in single products the widened GEMM caught
+# up by 32 rows (fp32 31 vs 30 ms, bf16 16 vs 11 over 60 weights of 1536 x 576).
+INT8_KERNEL_MAX_ROWS = 16
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -49,6 +61,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
 
     With `scale` [out], `weight` is int8 and stands for weight * scale[:, None] (`astrai.ops.quant`).
     """
+    if scale is not None and _int8_kernel_rows(x) and _matvec_kernel(x, (weight,), int8=True):
+        return _kernel_linears(x, (weight,), (bias,), (scale,))[0]
     if _row_reduce(x):
         if scale is None and _matvec_kernel(x, (weight,)):
             return _kernel_linears(x, (weight,), (bias,))[0]
@@ -87,6 +101,12 @@ def _row_reduce(x: Tensor) -> bool:
     return torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= MAX_REDUCE_ROWS
 
 
+def _int8_kernel_rows(x: Tensor) -> bool:
+    """A CPU int8 product of at most `INT8_KERNEL_MAX_ROWS` rows, compiled or eager (the kernel needs no trace)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.device.type == "cpu" and 0 < rows <= INT8_KERNEL_MAX_ROWS
+
+
 def _reduce_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> Tensor:
     # [rows, 1, in] * [out, in] summed over in -> [rows, out]; fp32 accumulation like the GEMM's
     rows = x.numel() // x.shape[-1]
@@ -98,23 +118,30 @@ def _reduce_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _matvec_kernel(x: Tensor, weights: Sequence[Tensor]) -> bool:
-    """Whether a few-row product may call the hand-written CPU kernel: no gradient, one dtype it supports, and
-    row-major weights (a transposed view would be copied on every call; the loop reads any strides)."""
+def _matvec_kernel(x: Tensor, weights: Sequence[Tensor], *, int8: bool = False) -> bool:
+    """Whether a few-row product may call the hand-written CPU kernel: no gradient, weights of x's dtype (or int8
+    ones, `int8`) that it supports, and row-major weights (a transposed view would be copied on every call; the
+    loop reads any strides)."""
     rows = x.numel() // x.shape[-1]
-    if rows < MIN_KERNEL_ROWS:  # callers have checked rows <= MAX_REDUCE_ROWS
+    minimum = MIN_KERNEL_ROWS_INT8.get(x.dtype, MIN_KERNEL_ROWS) if int8 else MIN_KERNEL_ROWS
+    if rows < minimum:  # callers have checked the upper bound (MAX_REDUCE_ROWS, or INT8_KERNEL_MAX_ROWS)
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
         return False
-    fits = all(w.dim() == 2 and w.dtype == x.dtype and w.is_contiguous() for w in weights)
+    kind = torch.int8 if int8 else x.dtype
+    fits = all(w.dim() == 2 and w.dtype == kind and w.is_contiguous() for w in weights)
     return fits and cpu_matvec.supports(x.dtype)
 
 
-def _kernel_linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
-    # one opaque call for the group: [rows, sum out] in fp32, biases added in fp32 like the loop's
+def _kernel_linears(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], scales: Sequence[Tensor | None] | None = None
+) -> list[Tensor]:
+    # one opaque call for the group: [rows, sum out] in fp32; int8 scales and biases applied in fp32 like the loop's
     rows = x.numel() // x.shape[-1]
     out = torch.ops.astrai.cpu_matvec(x.reshape(rows, x.shape[-1]), list(weights))
     parts = out.split([w.shape[0] for w in weights], dim=-1)
+    scales = scales or [None] * len(parts)
+    parts = [p if s is None else p * s.float() for p, s in zip(parts, scales, strict=True)]
     parts = [p if b is None else p + b.float() for p, b in zip(parts, biases, strict=True)]
     return [p.to(x.dtype).reshape(*x.shape[:-1], p.shape[-1]) for p in parts]
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from astrai.cpu_kernels import library
 from astrai.cpu_kernels import matvec as cpu_matvec
-from astrai.ops.linear import MAX_REDUCE_ROWS, linear, linears
+from astrai.ops.linear import INT8_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, MIN_KERNEL_ROWS_INT8, linear, linears
 from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +61,22 @@ def test_kernel_matches_the_fp32_product(dtype, rows, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 15, 33, 100, 576])
+def test_int8_weights_match_the_product_with_their_integers(dtype, rows, k):
+    _needs_kernel(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n in (7, 1, 40)]
+    out = cpu_matvec.matvec(x, weights)
+    expected = x.double() @ torch.cat(weights).double().T
+    assert out.shape == (rows, 48) and out.dtype == torch.float32
+    # bf16 x: exact products, fp32 sums; fp32 x: one rounding per product as well
+    assert_close(out.double(), expected, atol=2e-6 * 127 * k**0.5, rtol=1e-6)
+    # negative control: the weights are read as signed bytes (as unsigned, -1 would count as 255)
+    assert not torch.allclose(out.double(), x.double() @ torch.cat(weights).view(torch.uint8).double().T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_is_independent_of_the_thread_count(dtype):
     # each output is one thread's dot product, so the split between threads cannot change a bit
     _needs_kernel(dtype)
@@ -89,8 +105,10 @@ def test_mismatched_inputs_name_the_problem():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"wanted \[N, 8\]"):
         cpu_matvec.matvec(x, [torch.randn(4, 9)])
-    with pytest.raises(ValueError, match="same dtype"):
+    with pytest.raises(ValueError, match="of x's dtype or every one int8"):
         cpu_matvec.matvec(x, [torch.randn(4, 8).bfloat16()])
+    with pytest.raises(ValueError, match="every one int8"):
+        cpu_matvec.matvec(x, [torch.ones(4, 8, dtype=torch.int8), x[:, :8]])
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         cpu_matvec.matvec(torch.randn(8), [torch.randn(4, 8)])
     with pytest.raises(ValueError, match="at least one weight"):
@@ -112,17 +130,49 @@ def test_compiled_linears_call_the_kernel_once_per_group(dtype):
         expected = F.linear(x.float(), w.float(), None if b is None else b.float())
         assert_close(out, expected.to(dtype), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
-    # one row keeps inductor's loop (measured as fast over a whole step), and so does an int8 weight
+    # one row keeps inductor's loop (measured as fast over a whole step)
     one = x[:, :1]
     torch._dynamo.reset()
     outs, (code,) = run_and_get_code(torch.compile(linears, fullgraph=True), one, weights, biases)
     assert "cpu_matvec.default(" not in code
     assert_close(outs[0], F.linear(one.float(), weights[0].float(), biases[0].float()).to(dtype), atol=1e-2)
-    q, scale = torch.randint(-127, 128, (16, 64), dtype=torch.int8), torch.rand(16)
-    torch._dynamo.reset()
-    out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True), x.float(), q, None, scale)
-    assert "cpu_matvec.default(" not in code
-    assert_close(out, F.linear(x.float(), q.float()) * scale, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_int8_products_call_the_kernel_and_apply_the_scales(dtype):
+    _needs_kernel(dtype)
+    from torch._inductor.utils import run_and_get_code
+
+    q = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
+    scale, bias = (torch.rand(48) + 0.5).to(dtype), torch.randn(48).to(dtype)
+    expected_of = lambda x: F.linear(x.float(), q.float()) * scale.float() + bias.float()  # noqa: E731
+    for rows in (MIN_KERNEL_ROWS_INT8[dtype], 2, MAX_REDUCE_ROWS):
+        x = torch.randn(rows, 64).to(dtype)
+        torch._dynamo.reset()
+        out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, q, bias, scale)
+        assert code.count("cpu_matvec.default(") == 1, rows
+        expected = expected_of(x)
+        assert out.dtype == dtype
+        tol = (1e-2 if dtype == torch.bfloat16 else 1e-6) * expected.abs().max().item()  # bf16: the output's rounding
+        assert_close(out.float(), expected, atol=tol)
+        # negative control: without its scale the product is far off
+        assert (out.float() - F.linear(x.float(), q.float())).abs().max() > 1.0
+    for rows in (INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1):  # past the bound: the widened GEMM
+        x = torch.randn(rows, 64).to(dtype)
+        for name, fn in (("eager", linear), ("compiled", torch.compile(linear, fullgraph=True, dynamic=False))):
+            torch._dynamo.reset()
+            with torch.profiler.profile() as prof:
+                out = fn(x, q, bias, scale)
+            called = any(e.name == "astrai::cpu_matvec" for e in prof.events())
+            assert called == (rows <= INT8_KERNEL_MAX_ROWS), (name, rows)
+            tol = (1e-2 if dtype == torch.bfloat16 else 1e-6) * expected_of(x).abs().max().item()
+            assert_close(out.float(), expected_of(x), atol=tol)
+    if MIN_KERNEL_ROWS_INT8[dtype] > 1:  # fp32: one row keeps inductor's loop (as fast there, measured)
+        torch._dynamo.reset()
+        x = torch.randn(1, 64).to(dtype)
+        out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, q, bias, scale)
+        assert "cpu_matvec.default(" not in code
+        assert_close(out.float(), expected_of(x), atol=1e-6 * expected_of(x).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

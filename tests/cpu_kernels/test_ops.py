@@ -101,6 +101,21 @@ def test_matvec_op_equals_the_reference_and_the_python_kernel(dtype, rows):
     assert torch.equal(torch.ops.astrai.cpu_matvec(strided_x, [transposed, *weights[1:]]), out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_matvec_op_with_int8_weights_equals_the_reference_and_the_python_kernel(dtype, rows):
+    _needs_ops(dtype)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 100, generator=gen).to(dtype)  # 100: a masked tail in both kernels' blocks
+    weights = [torch.randint(-127, 128, (n, 100), generator=gen, dtype=torch.int8) for n in (40, 8, 17)]
+    out = torch.ops.astrai.cpu_matvec(x, weights)
+    assert out.dtype == torch.float32 and out.shape == (rows, 65)
+    assert_close(out, cpu_matvec.matvec_ref(x, weights), atol=1e-3, rtol=1e-5)
+    assert torch.equal(out, cpu_matvec.matvec(x, weights))
+    unaligned = torch.randint(-127, 128, (40 * 100 + 3,), generator=gen, dtype=torch.int8)[3:].view(40, 100)
+    assert torch.equal(torch.ops.astrai.cpu_matvec(x, [unaligned]), cpu_matvec.matvec(x, [unaligned]))
+
+
 def test_matvec_op_edge_shapes():
     _needs_ops(torch.float32)
     assert torch.ops.astrai.cpu_matvec(torch.randn(0, 8), [torch.randn(4, 8)]).shape == (0, 4)
@@ -131,10 +146,12 @@ def test_bad_inputs_raise_an_error_naming_the_problem():
     x = torch.randn(2, 8)
     for args, message in [
         ((x, [torch.randn(4, 9)]), r"wanted \[N, 8\]"),
-        ((x, [torch.randn(4, 8).double()]), "same dtype"),
+        ((x, [torch.randn(4, 8).double()]), "of x's dtype"),
         ((torch.randn(8), [torch.randn(4, 8)]), r"x \[M, K\]"),
         ((x, []), "at least one weight"),
         ((x.half(), [torch.randn(4, 8).half()]), "float32 and bfloat16 are supported"),
+        ((x, [torch.ones(4, 8, dtype=torch.int8), torch.randn(4, 8)]), "every one int8"),
+        ((x.half(), [torch.ones(4, 8, dtype=torch.int8)]), "float32 and bfloat16 are supported"),
     ]:
         with pytest.raises(RuntimeError, match=message):
             matvec(*args)

@@ -9,6 +9,8 @@ Tensor-parallel shards of a quantized tree: tests/astrai/models/test_tp.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -53,13 +55,27 @@ def test_random_weights_stay_within_tolerance_and_differ(family):
     assert diff > 1e-4  # negative control: the weights really were rounded
 
 
-def test_compiled_decode_step_equals_eager():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_compiled_decode_step_equals_eager(dtype, rows):
+    # few rows: the compiled CPU step multiplies the int8 weights in the matvec kernel or inductor's loop
+    # (astrai.ops.linear), the eager one widens them for F.linear: two independent paths
+    from torch._inductor.utils import run_and_get_code
+
+    from astrai.cpu_kernels import matvec
+    from astrai.ops.linear import MIN_KERNEL_ROWS_INT8
+
     cfg = configs()["qwen3_moe"]
-    q = quantize_params(init_params(cfg, seed=2))
-    tokens = torch.randint(0, cfg.vocab_size, (2, 1))  # 2 rows: the compiled few-row CPU loop over int8
+    q = quantize_params(astrai.tree.cast(init_params(cfg, seed=2), dtype))
+    tokens = torch.randint(0, cfg.vocab_size, (rows, 1))
+    torch._dynamo.reset()
     compiled = torch.compile(lambda p, t: forward(p, cfg, t), fullgraph=False, dynamic=False)
     eager = forward(q, cfg, tokens)
-    assert (compiled(q, tokens) - eager).abs().max() <= 1e-5 * max(1.0, eager.abs().max().item())
+    out, code = run_and_get_code(compiled, q, tokens)
+    kernel = matvec.supports(dtype) and rows >= MIN_KERNEL_ROWS_INT8[dtype]
+    assert any("cpu_matvec.default(" in c for c in code) == kernel
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: rounding of the activations between the two paths
+    assert (out.float() - eager.float()).abs().max() <= tol * max(1.0, eager.abs().max().item())
 
 
 def test_what_is_quantized_and_what_is_kept():
@@ -122,6 +138,38 @@ def test_load_quantized_generates_the_same_greedy_text(on_grid_dir):
         load(on_grid_dir, quantize="fp4")
 
 
+def test_batched_int8_decode_through_the_kernel_matches_the_float_model(on_grid_dir):
+    # 5, 12 and 20 rows decoding: the compiled int8 products take the matvec kernel up to 16 rows and the widened
+    # GEMM above (astrai.ops.linear); the float model runs eagerly through F.linear: independent paths, exact weights
+    from torch.profiler import ProfilerActivity, profile
+
+    from astrai.cpu_kernels import matvec
+    from astrai.inference.engine import Engine, EngineConfig
+    from astrai.inference.params import SamplingParams
+
+    full, q = load(on_grid_dir), load(on_grid_dir, quantize="int8")
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+        handles = [engine.submit(p, params) for p in prompts]
+        while engine.step():
+            pass
+        return [h.result().outputs[0].token_ids for h in handles]
+
+    config = dict(background=False, max_running=24, prefix_cache=False)
+    with Engine(q, EngineConfig(**config)) as engine, Engine(full, EngineConfig(compile=False, **config)) as eager:
+        for n in (5, 12, 20):
+            prompts = [torch.randint(3, q.config.vocab_size, (4,), generator=gen).tolist() for _ in range(n)]
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                tokens = run(engine, prompts)
+            assert tokens == run(eager, prompts), n
+            calls = [e.input_shapes for e in prof.events() if e.name == "astrai::cpu_matvec"]
+            rows = {shapes[0][0] for shapes in calls if shapes and len(shapes[0]) == 2}  # x [rows, K]
+            if matvec.supports(torch.float32):  # the decode steps' products went through the kernel up to 16 rows
+                assert (n in rows) == (n <= 16), (n, rows)
+
+
 def test_cli_flags(on_grid_dir, capsys, tmp_path):
     main(["generate", on_grid_dir, "--prompt", "hello world", "--max-tokens", "6", "--quantize", "int8"])
     quantized = capsys.readouterr().out
@@ -137,6 +185,8 @@ def test_cli_flags(on_grid_dir, capsys, tmp_path):
     ppl_q, err = capsys.readouterr()
     assert "weights: int8 weight-only" in err
     main(["eval", "ppl", on_grid_dir, "--data", str(data)])
-    assert "ppl" in ppl_q and capsys.readouterr().out.splitlines()[-1] == ppl_q.splitlines()[-1]
+    # the same report to rounding: exact weights, but the int8 product runs in another kernel (summation order)
+    got, want = (json.loads(out.splitlines()[-1]) for out in (ppl_q, capsys.readouterr().out))
+    assert got["tokens"] == want["tokens"] == 16 and got["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
     with pytest.raises(SystemExit):
         main(["generate", on_grid_dir, "--prompt", "hi", "--quantize", "int4"])
