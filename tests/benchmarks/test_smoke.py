@@ -155,12 +155,28 @@ def test_quant_smoke_reports_json(tmp_path):
 
     The quality part needs a trained model (`runs/quickstart/model`): pointed at a missing folder, it is skipped
     and the report says so (an empty list)."""
-    report = _smoke("bench_quant.py", tmp_path, timeout=300, args=("--quality-model", str(tmp_path / "missing")))
+    args = ("--quality-model", str(tmp_path / "missing"), "--step-rows", "2", "--rounds", "1")
+    report = _smoke("bench_quant.py", tmp_path, timeout=300, args=args)
     rows = {r["weights"]: r for r in report["speed"]}
     assert set(rows) >= {"float32", "float32 + int8"}
     assert all(r["tok_s"] > 0 for r in rows.values()) and report["quality"] == []
     assert rows["float32 + int8"]["decode_mib"] < 0.3 * rows["float32"]["decode_mib"]
     assert 0 <= report["int8_greedy_tokens_before_divergence"] <= report["new_tokens"]
+    steps = {r["weights"]: r for r in report["steps"]}
+    assert set(steps) == {"float32", "float32 + int8", "bfloat16", "bfloat16 + int8"}
+    assert all(r["rows"] == 2 and r["step_ms"] > 0 for r in steps.values()) and steps["float32"]["vs_fp32"] == 1.0
+
+
+@pytest.mark.slow  # ~20 s: compiles an engine and transformers' static-cache generate
+def test_notebook_smoke_reports_json(tmp_path):
+    """bench_notebook: transformers eager and static cache + compile, then astrai's cached compiled and eager
+    engines and the engine per call, each with a rate and its ratio to both transformers paths."""
+    report = _smoke("bench_notebook.py", tmp_path, timeout=300)
+    paths = [r["path"] for r in report["rows"]]
+    assert paths[:2] == ["transformers generate (eager)", "transformers generate (static cache + compile)"]
+    assert paths[2] == "astrai cached, compiled" and len(paths) == 5
+    assert all(r["tok_s"] > 0 and r["vs_hf"] > 0 and r["vs_hf_static_compile"] > 0 for r in report["rows"])
+    assert report["rows"][2]["cold_first_call_s"] > 0 and report["tokens_checked"] == report["new_tokens"]
 
 
 def test_structured_smoke_reports_json(tmp_path):
