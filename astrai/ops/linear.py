@@ -15,7 +15,7 @@ registers too (measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md).
 weight is widened to the input's dtype and multiplied as usual, the scale applied to the product's columns; under
 `torch.compile` on GPU inductor fuses the widening into the matmul.
 
-With 2-8 rows of fp32 or bf16 (batched decode, n > 1 sampling) on an AVX-512 CPU, the products instead
+With 2-8 rows of bf16, or 2-3 of fp32 (batched decode, n > 1 sampling), on an AVX-512 CPU the products instead
 call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
 inductor's loop re-reads it per row: a SmolLM2-135M decode step of 4 rows took 17-18 ms against 33-49 (bf16)
 and 28-33 against 39-43 (fp32). One call takes the weights that share an input (q/k/v, gate/up). One row keeps
@@ -24,8 +24,10 @@ calls a step) that splits inductor's fused kernels it measured no faster over th
 `ASTRAI_CPU_KERNELS=0` turns it off; without AVX-512 or a C compiler the loop runs.
 
 Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
-pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. Weights nobody packed take `F.linear`
-as before, and so does anything that needs a gradient or runs under autocast (the op has neither).
+pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. fp32 takes it from 4 rows (`REDUCE_ROWS`),
+where the packed GEMM beat the kernel by 1.3-1.5x over a whole step; weights nobody packed take the matvec kernel
+there (up to 8 rows) and `F.linear` above, and so does anything that needs a gradient or runs under autocast (the
+op has neither).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.ops import packed_linear as packed
 
 MAX_REDUCE_ROWS = 8  # measured crossover on a 2-core EPYC: the reduce form wins at 1-8 rows, loses at 16
+# fp32 leaves the few-row regime after 3 rows where oneDNN packs exist: from 4 rows the packed GEMM (the engine packs
+# CPU weights) beat the matvec kernel over a whole SmolLM2-135M decode step, 23.3 -> 18.4 ms at 4 rows, 29.4 -> 20.5
+# at 6, 34.5 -> 22.8 at 8 (19.9 vs 19.6 at 3, 15.8 vs 18.8 at 2). Weights nobody packed still take the kernel there
+# (`packed_linear._unpacked`): MKL's GEMM took 50.3 ms at 6 rows. bf16 keeps 8 (13.2 vs 13.8 ms at 8 rows).
+REDUCE_ROWS = {torch.float32: 3} if packed.AVAILABLE else {}
 # The CPU matvec kernel takes 2..MAX_REDUCE_ROWS rows: at one row inductor's loop, fused with its neighbours, was
 # as fast or faster over whole compiled decode steps (docs/benchmarks.md, "CPU matvec kernel"). The upper bound is
 # the loop's: a bound of its own would split the 2-8-row decode graph in two (a recompile on CPU when a batch
@@ -63,7 +70,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
     """
     if scale is not None and _int8_kernel_rows(x) and _matvec_kernel(x, (weight,), int8=True):
         return _kernel_linears(x, (weight,), (bias,), (scale,))[0]
-    if _row_reduce(x):
+    if _row_reduce(x, int8=scale is not None):
         if scale is None and _matvec_kernel(x, (weight,)):
             return _kernel_linears(x, (weight,), (bias,))[0]
         return _reduce_linear(x, weight, bias, scale)
@@ -95,10 +102,17 @@ def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
     return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
 
-def _row_reduce(x: Tensor) -> bool:
-    """Few rows inside a compiled CPU graph: the multiply + row-sum loop (see the module docstring)."""
+def reduce_rows(dtype: torch.dtype) -> int:
+    """The most rows a compiled CPU product of `dtype` keeps in the few-row regime (matvec kernel or loop)."""
+    return REDUCE_ROWS.get(dtype, MAX_REDUCE_ROWS)
+
+
+def _row_reduce(x: Tensor, *, int8: bool = False) -> bool:
+    """Few rows inside a compiled CPU graph: the matvec kernel or the multiply + row-sum loop (see the module
+    docstring). int8 products keep `MAX_REDUCE_ROWS`: no pack takes int8 weights."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= MAX_REDUCE_ROWS
+    bound = MAX_REDUCE_ROWS if int8 else reduce_rows(x.dtype)
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= bound
 
 
 def _int8_kernel_rows(x: Tensor) -> bool:

@@ -15,7 +15,9 @@ an opaque tensor that cannot be a `torch.compile` input. So:
   (called by `Engine.update_params`) covers them.
 - `packed_linear(x, weight, bias)` is a custom op, opaque to `torch.compile` (the compiled graph passes the
   very weight tensor it was called with, so the lookup works inside compiled steps too). A weight with no
-  pack runs `F.linear`, so the op is always correct; it only gets faster for the weights someone packed.
+  pack runs `F.linear`, so the op is always correct; it only gets faster for the weights someone packed. Few
+  rows (`FEW_ROWS`) without a pack run the CPU matvec kernel instead, where it runs: compiled fp32 decode of 4-8
+  rows comes here (`astrai.ops.linear`), and for those MKL's GEMM is ~1.7x slower than the kernel.
 
 The packed copy costs as much memory as the weight itself: the engine packs on CPU unless told not to
 (`EngineConfig.pack_weights`), and skips it when the copy would not fit comfortably in free memory.
@@ -32,7 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from astrai.cpu_kernels import matvec as cpu_matvec
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+FEW_ROWS = 8  # `ops.linear.MAX_REDUCE_ROWS`: unpacked products of at most this many rows take the matvec kernel
 
 # One table for single weights and groups (a single weight is a group of one): first weight -> {member ids ->
 # (weak refs to the members, their versions when packed, the packed [sum out, in] matrix)}. Keyed weakly by the
@@ -147,11 +152,26 @@ def run_packed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
     return run_packed_group(x, (weight,), (bias,))
 
 
+def _unpacked(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Tensor:
+    """cat([F.linear(x, w, b) ...], -1) for weights nobody packed: through the CPU matvec kernel for few rows of a
+    dtype it runs (one call for the group; bias added and the result cast as `ops.linear` does), else F.linear."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    few = 0 < rows <= FEW_ROWS and x.device.type == "cpu" and cpu_matvec.supports(x.dtype)
+    if few and all(w.dim() == 2 and w.dtype == x.dtype and w.is_contiguous() for w in weights):
+        out = torch.ops.astrai.cpu_matvec(x.reshape(rows, x.shape[-1]), list(weights))
+        if any(b is not None for b in biases):
+            zeros = [x.new_zeros(w.shape[0], dtype=torch.float32) for w in weights]
+            out = out + torch.cat([z if b is None else b.float() for b, z in zip(biases, zeros, strict=True)])
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
+
+
 @torch.library.custom_op("astrai::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear(x, weight, bias)`, through the weight's oneDNN pack when `pack_weights` made one."""
+    """`F.linear(x, weight, bias)`, through the weight's oneDNN pack when `pack_weights` made one (else
+    `_unpacked`)."""
     out = run_packed(x, weight, bias)
-    return F.linear(x, weight, bias) if out is None else out
+    return _unpacked(x, (weight,), (bias,)) if out is None else out
 
 
 @packed_linear.register_fake
@@ -163,7 +183,9 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def packed_linear_cat(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Tensor:
     """`cat([F.linear(x, w, b) ...], -1)`, as one product through the group's pack when `pack_group` made one."""
     out = run_packed_group(x, weights, biases)
-    if out is None:  # no group pack: each weight through its own pack, or F.linear
+    if out is None and not any(is_packed(w) for w in weights):  # nothing packed: `_unpacked`, one call for all
+        out = _unpacked(x, weights, biases)
+    elif out is None:  # no group pack: each weight through its own pack, or `_unpacked`
         out = torch.cat([packed_linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
     return out
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from astrai.cpu_kernels import library
 from astrai.cpu_kernels import matvec as cpu_matvec
-from astrai.ops.linear import INT8_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, MIN_KERNEL_ROWS_INT8, linear, linears
+from astrai.ops import packed_linear
+from astrai.ops.linear import INT8_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, MIN_KERNEL_ROWS_INT8, linear, linears, reduce_rows
 from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,12 +182,37 @@ def test_row_counts_past_the_measured_bound_keep_the_loop(dtype):
     from torch._inductor.utils import run_and_get_code
 
     weight = torch.randn(24, 32).to(dtype)
-    for rows in (MAX_REDUCE_ROWS, MAX_REDUCE_ROWS + 1):  # past it the products are GEMMs (oneDNN packs)
+    bound = reduce_rows(dtype)  # fp32: 3 (oneDNN's packed GEMM wins from 4), bf16: MAX_REDUCE_ROWS
+    assert bound == (3 if dtype == torch.float32 and packed_linear.AVAILABLE else MAX_REDUCE_ROWS)
+    for rows in (bound, bound + 1):  # past it the products are GEMMs (oneDNN packs)
         x = torch.randn(rows, 32).to(dtype)
         torch._dynamo.reset()
         out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, weight)
-        assert ("cpu_matvec.default(" in code) == (rows <= MAX_REDUCE_ROWS), rows
+        assert ("cpu_matvec.default(" in code) == (rows <= bound), rows
+        assert ("packed_linear.default(" in code) == (rows > bound), rows
         assert_close(out, F.linear(x.float(), weight.float()).to(dtype), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_unpacked_few_row_products_past_the_fp32_bound_take_the_kernel():
+    # fp32 at 4-8 rows goes to the packed op; weights nobody packed run the matvec kernel there, packed ones oneDNN
+    _needs_kernel(torch.float32)
+    if not packed_linear.AVAILABLE:
+        pytest.skip("no oneDNN linear ops in this torch build")
+    weights = [torch.randn(n, 48) for n in (40, 8)]
+    biases = [torch.randn(40), None]
+    x = torch.randn(6, 48)
+    expected = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    compiled = torch.compile(linears, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    for packed in (False, True):
+        if packed:
+            packed_linear.pack_group(weights)
+        with torch.profiler.profile() as prof:
+            outs = compiled(x, weights, biases)
+        names = {e.name for e in prof.events()}
+        assert ("astrai::cpu_matvec" in names) == (not packed) and ("mkldnn::_linear_pointwise" in names) == packed
+        for out, want in zip(outs, expected, strict=True):
+            assert_close(out, want, atol=1e-5)
 
 
 def test_products_that_need_a_gradient_keep_the_loop():

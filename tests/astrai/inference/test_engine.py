@@ -13,6 +13,7 @@ from astrai.inference.engine import Engine, EngineBusyError, EngineConfig, Engin
 from astrai.inference.errors import EngineInputError
 from astrai.inference.graphs import GraphCaptureError
 from astrai.inference.params import SamplingParams
+from astrai.ops.linear import reduce_rows
 from helpers import DEVICE, save_hf, tiny_hf_model, tiny_model_dir
 
 NEW = 12
@@ -218,9 +219,10 @@ def test_bad_requests_are_rejected_with_clear_errors(pair):
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
 def test_compiled_decode_equals_eager(pair, prompts, reference, background):
     _, model = pair
-    # on an AVX-512 CPU the 2-8-row decode steps run the hand-written matvec kernel (q/k/v with biases grouped),
-    # and every decode step the decode attention kernel: the profiler sees their ops' calls (C++ kernels where
-    # `ops.cpp` builds, else the Python ones) and the rows of each
+    # on an AVX-512 CPU the few-row decode steps run the hand-written matvec kernel (q/k/v with biases grouped;
+    # fp32 from 4 rows takes oneDNN's packed GEMM instead, `ops.linear.REDUCE_ROWS`), and every decode step the
+    # decode attention kernel: the profiler sees their ops' calls (C++ kernels where `ops.cpp` builds, else the
+    # Python ones) and the rows of each
     kernels = DEVICE == "cpu" and cpu_matvec.supports(torch.float32)
     every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # the engine's thread too
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
@@ -234,9 +236,11 @@ def test_compiled_decode_equals_eager(pair, prompts, reference, background):
         # (calls on fake tensors while compiling record no shapes)
         calls = [e for e in profile.events() if e.name.startswith("astrai::") and e.input_shapes and e.input_shapes[0]]
         rows = {name: [e.input_shapes[0][0] for e in calls if e.name == f"astrai::{name}"]
-                for name in ("cpu_matvec", "cpu_decode_attention")}  # fmt: skip
-        assert rows["cpu_matvec"] and set(rows["cpu_matvec"]) <= set(range(2, 9))  # one row keeps inductor's loop
+                for name in ("cpu_matvec", "cpu_decode_attention", "packed_linear_cat")}  # fmt: skip
+        bound = reduce_rows(torch.float32)
+        assert set(rows["cpu_matvec"]) <= set(range(2, bound + 1))  # one row keeps inductor's loop
         assert 5 in rows["cpu_decode_attention"]  # the five requests decode together
+        assert 5 in (rows["cpu_matvec"] if bound >= 5 else rows["packed_linear_cat"])  # q/k/v of the five rows
 
 
 def test_decode_buffers_pad_batches_to_buckets_without_stale_rows(pair, prompts, reference):
