@@ -33,7 +33,7 @@ from torch import Tensor
 from . import library
 from .library import build_dir
 
-__all__ = ["build_dir", "matvec", "matvec_ref", "supports", "unavailable_reason"]
+__all__ = ["build_dir", "matvec", "matvec_ref", "projection", "supports", "unavailable_reason"]
 
 _FUNCTIONS = {torch.float32: "astrai_matvec_f32", torch.bfloat16: "astrai_matvec_bf16"}
 _FUNCTIONS_INT8 = {torch.float32: "astrai_matvec_i8_f32", torch.bfloat16: "astrai_matvec_i8_bf16"}  # by x's dtype
@@ -74,6 +74,22 @@ def matvec_ref(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
     """The plain-torch reference: x [M, K] @ cat(weights).T in fp32 -> [M, sum N] fp32 (int8 weights as their
     integer values)."""
     return x.float() @ torch.cat([w.float() for w in weights]).T
+
+
+def projection(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], scales: Sequence[Tensor] | None = None
+) -> Tensor:
+    """x [..., K] -> [..., sum N] in x's dtype: the `astrai::cpu_matvec` op, then each weight's int8 scale (`scales`,
+    one per weight, or None) and bias on its columns in fp32, as `ops.linear`'s loop applies them. Traceable by
+    `torch.compile` (the op is opaque); callers check `supports` first."""
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.astrai.cpu_matvec(x.reshape(rows, x.shape[-1]), list(weights))
+    if scales is not None:
+        out = out * torch.cat([s.float() for s in scales])
+    if any(b is not None for b in biases):
+        zeros = [out.new_zeros(w.shape[0]) for w in weights]
+        out = out + torch.cat([z if b is None else b.float() for b, z in zip(biases, zeros, strict=True)])
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _check(x: Tensor, weights: Sequence[Tensor]) -> None:

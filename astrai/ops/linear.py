@@ -148,16 +148,11 @@ def _matvec_kernel(x: Tensor, weights: Sequence[Tensor], *, int8: bool = False) 
 
 
 def _kernel_linears(
-    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], scales: Sequence[Tensor | None] | None = None
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], scales: Sequence[Tensor] | None = None
 ) -> list[Tensor]:
-    # one opaque call for the group: [rows, sum out] in fp32; int8 scales and biases applied in fp32 like the loop's
-    rows = x.numel() // x.shape[-1]
-    out = torch.ops.astrai.cpu_matvec(x.reshape(rows, x.shape[-1]), list(weights))
-    parts = out.split([w.shape[0] for w in weights], dim=-1)
-    scales = scales or [None] * len(parts)
-    parts = [p if s is None else p * s.float() for p, s in zip(parts, scales, strict=True)]
-    parts = [p if b is None else p + b.float() for p, b in zip(parts, biases, strict=True)]
-    return [p.to(x.dtype).reshape(*x.shape[:-1], p.shape[-1]) for p in parts]
+    # one opaque call for the group; int8 scales and biases applied in fp32 like the loop's
+    out = cpu_matvec.projection(x, weights, biases, scales)
+    return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 def _packed_path(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> bool:

@@ -158,11 +158,7 @@ def _unpacked(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     few = 0 < rows <= FEW_ROWS and x.device.type == "cpu" and cpu_matvec.supports(x.dtype)
     if few and all(w.dim() == 2 and w.dtype == x.dtype and w.is_contiguous() for w in weights):
-        out = torch.ops.astrai.cpu_matvec(x.reshape(rows, x.shape[-1]), list(weights))
-        if any(b is not None for b in biases):
-            zeros = [x.new_zeros(w.shape[0], dtype=torch.float32) for w in weights]
-            out = out + torch.cat([z if b is None else b.float() for b, z in zip(biases, zeros, strict=True)])
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        return cpu_matvec.projection(x, weights, biases)
     return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
 
 
