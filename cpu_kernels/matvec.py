@@ -9,7 +9,9 @@ development box: 16-25 GB/s against the loop's 5-12 (bf16, 1-4 rows); a compiled
 in bf16 at 2-8 rows, 1.1-1.4x in fp32 at 2-4 (docs/benchmarks.md, "CPU matvec kernel").
 
 int8 weights (`astrai.ops.quant`'s weight-only quantization) multiply an fp32 or bf16 x the same way, widened in
-registers: the result is the product with the integer weights, and the caller applies the per-row scales.
+registers: the result is the product with the integer weights, and the caller applies the per-row scales. With an
+fp32 x and 22 rows or more (prefill), the same entry runs `gemm_i8.c`'s blocked GEMM instead, which widens each
+panel of weight rows once for all the rows of x.
 
 The C source is built with the folder's other kernels on first use (`astrai.cpu_kernels.library`).
 
@@ -109,7 +111,7 @@ def matvec(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
     """x [M, K] @ cat(weights).T -> [M, sum N] fp32: one call for weights that share an input (q/k/v,
     gate/up), each weight's columns after the previous one's; weights of x's dtype, or all int8 (their integer
     values: the caller applies the scales). The kernel where `supports(x.dtype)`, else `matvec_ref`. Meant for
-    few rows (it loads each weight once per two rows of x)."""
+    few rows (it loads each weight once per two rows of x), and for int8 weights with an fp32 x at any count."""
     _check(x, weights)
     int8 = weights[0].dtype == torch.int8
     kernel = _kernels(int8).get(x.dtype) if x.device.type == "cpu" and x.shape[1] else None

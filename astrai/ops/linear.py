@@ -7,13 +7,16 @@ rewrite only applies while `torch.compile` traces (in eager mode it would materi
 product) and only up to `MAX_REDUCE_ROWS` rows, past which the GEMM wins again.
 
 int8 weight-only (`scale` given, `astrai.ops.quant`): the weight is int8 [out, in] and `scale` [out] its
-per-row scale. CPU products of up to `INT8_KERNEL_MAX_ROWS` (16) rows, compiled or eager, call the same
-hand-written kernel as below (from 1 row with a bf16 x, 2 with fp32), which widens the int8 weights in registers
-(to fp32, or to bf16 pairs for a bf16 x), so decode reads a quarter of the fp32 bytes; the scale and bias then
-apply to the fp32 product. Without the kernel, few-row compiled products take the loop, which does the widening in
-registers too (measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md). Elsewhere (more rows, GPU) the
-weight is widened to the input's dtype and multiplied as usual, the scale applied to the product's columns; under
-`torch.compile` on GPU inductor fuses the widening into the matmul.
+per-row scale. CPU products call the same hand-written kernel as below, compiled or eager, which widens the int8
+weights in registers (to fp32, or to bf16 pairs for a bf16 x), so decode reads a quarter of the fp32 bytes; the
+scale and bias then apply to the fp32 product. Compiled, it takes products from 1 row with a bf16 x and from 2 with
+fp32 (one fp32 row keeps inductor's loop, fused with its neighbours); eager, from 1 row. With a bf16 x it takes up
+to `INT8_KERNEL_MAX_ROWS` (16) rows; with fp32 any number: past 21 rows the kernel runs a blocked GEMM that widens
+each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`, prefill). Without the kernel, few-row compiled
+products take the loop, which does the widening in registers too (measured 2.3-3.4x the fp32 loop on this box,
+docs/benchmarks.md). Elsewhere (more bf16 rows, GPU) the weight is widened to the input's dtype and multiplied as
+usual, the scale applied to the product's columns; under `torch.compile` on GPU inductor fuses the widening into
+the matmul.
 
 With 2-8 rows of bf16, or 2-3 of fp32 (batched decode, n > 1 sampling), on an AVX-512 CPU the products instead
 call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
@@ -56,11 +59,13 @@ MIN_KERNEL_ROWS = 2
 # whole SmolLM2-135M decode step ran 2.1x faster through the kernel (6.5 vs 13.4 ms). With an fp32 x the loop was as
 # fast or faster at one row (5.1 vs 6.3 ms, 7.2 vs 7.3), and the kernel wins from two rows (1.4-1.5x at 4-8 rows).
 MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
-# int8 products of up to this many rows take the kernel, compiled or eager; the engine's decode graph above 8 rows
-# then splits at 16 (one more graph for int8 models). At 16 rows a SmolLM2-135M step took 31.7 ms against 84.5 with
-# the weights widened for the GEMM (fp32 x), 29.1 against 52.1 (bf16 x); in single products the widened GEMM caught
-# up by 32 rows (fp32 31 vs 30 ms, bf16 16 vs 11 over 60 weights of 1536 x 576).
-INT8_KERNEL_MAX_ROWS = 16
+# int8 products of up to this many rows (by x's dtype) take the kernel, compiled or eager: with a bf16 x, the engine's
+# decode graph above 8 rows then splits at 16 (one more graph). At 16 rows a SmolLM2-135M step took 29.1 ms against
+# 52.1 with the weights widened for the GEMM; in single products the widened GEMM caught up by 32 rows (16 vs 11 ms
+# over 60 weights of 1536 x 576). An fp32 x has no bound: past 21 rows the kernel runs a blocked GEMM that widens
+# each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`), 2.2-2.9x the widened MKL GEMM at 32 rows and
+# 1.6x at 512-2048 over SmolLM2-135M's projections (30-31 vs 65-90 ms, 427 vs 684, 1354 vs 2103).
+INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 16}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -116,9 +121,10 @@ def _row_reduce(x: Tensor, *, int8: bool = False) -> bool:
 
 
 def _int8_kernel_rows(x: Tensor) -> bool:
-    """A CPU int8 product of at most `INT8_KERNEL_MAX_ROWS` rows, compiled or eager (the kernel needs no trace)."""
+    """A CPU int8 product within `INT8_KERNEL_MAX_ROWS` rows for x's dtype, compiled or eager (the kernel needs no
+    trace)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x.device.type == "cpu" and 0 < rows <= INT8_KERNEL_MAX_ROWS
+    return x.device.type == "cpu" and 0 < rows <= INT8_KERNEL_MAX_ROWS.get(x.dtype, rows)
 
 
 def _reduce_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> Tensor:
@@ -138,6 +144,8 @@ def _matvec_kernel(x: Tensor, weights: Sequence[Tensor], *, int8: bool = False) 
     loop reads any strides)."""
     rows = x.numel() // x.shape[-1]
     minimum = MIN_KERNEL_ROWS_INT8.get(x.dtype, MIN_KERNEL_ROWS) if int8 else MIN_KERNEL_ROWS
+    if int8 and not torch.compiler.is_compiling():  # no loop to fuse with: eager, the kernel or the widened weight
+        minimum = 1
     if rows < minimum:  # callers have checked the upper bound (MAX_REDUCE_ROWS, or INT8_KERNEL_MAX_ROWS)
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):

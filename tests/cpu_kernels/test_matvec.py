@@ -77,6 +77,42 @@ def test_int8_weights_match_the_product_with_their_integers(dtype, rows, k):
     assert not torch.allclose(out.double(), x.double() @ torch.cat(weights).view(torch.uint8).double().T)
 
 
+def _gemm_i8(x: torch.Tensor, weights: list[torch.Tensor], threads: int) -> torch.Tensor:
+    """gemm_i8.c's blocked GEMM called directly (the op reaches it only from 22 rows), y [M, sum N] fp32."""
+    import ctypes
+
+    fn = library.load().cdll.astrai_gemm_i8_f32
+    fn.restype = ctypes.c_int
+    y = torch.full((x.shape[0], sum(w.shape[0] for w in weights)), float("nan"))
+    pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+    rows = (ctypes.c_long * len(weights))(*(w.shape[0] for w in weights))
+    args = (ctypes.c_void_p(x.data_ptr()), ctypes.c_long(x.shape[0]), ctypes.c_long(x.shape[1]), pointers, rows,
+            ctypes.c_long(len(weights)), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(threads))  # fmt: skip
+    assert fn(*args) == 0
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 48, 70])
+@pytest.mark.parametrize("k", [1, 17, 576, 3000])
+def test_int8_gemm_matches_the_product_with_their_integers(rows, k):
+    # every tail: x blocks of 32 rows with 1-31 left (one or two vectors, masked stores), weights of 7 and 13 rows
+    # (a partial tile of 8), 200 rows (several L2 panels per thread at K = 576 and 3000), K not a multiple of 16
+    _needs_kernel(torch.float32)
+    gen = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=gen)
+    weights = [torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8) for n in (7, 200, 13)]
+    expected = x.double() @ torch.cat(weights).double().T
+    # one fp32 accumulator per output, summed in k order: its rounding error grows with the sum of |x w|
+    bound = 1e-6 * (x.double().abs() @ torch.cat(weights).double().abs().T)
+    one, two = _gemm_i8(x, weights, 1), _gemm_i8(x, weights, 2)
+    assert ((two.double() - expected).abs() <= bound).all()  # and no NaN left: every output written
+    assert torch.equal(one, two)  # each output is one tile's sum, whichever thread runs it
+    # negative control: the weights are read as signed bytes
+    assert not torch.allclose(two.double(), x.double() @ torch.cat(weights).view(torch.uint8).double().T)
+    # the op's entry point takes the GEMM from 22 rows and the matvec loop below: both give the product
+    assert ((cpu_matvec.matvec(x, weights).double() - expected).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_is_independent_of_the_thread_count(dtype):
     # each output is one thread's dot product, so the split between threads cannot change a bit
@@ -158,19 +194,30 @@ def test_compiled_int8_products_call_the_kernel_and_apply_the_scales(dtype):
         assert_close(out.float(), expected, atol=tol)
         # negative control: without its scale the product is far off
         assert (out.float() - F.linear(x.float(), q.float())).abs().max() > 1.0
-    for rows in (INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1):  # past the bound: the widened GEMM
+    # bf16: up to 16 rows, the widened GEMM past them; fp32: any number (the kernel's blocked GEMM from 22)
+    bound = INT8_KERNEL_MAX_ROWS.get(dtype)
+    for rows in (16, 17, 40):
         x = torch.randn(rows, 64).to(dtype)
         for name, fn in (("eager", linear), ("compiled", torch.compile(linear, fullgraph=True, dynamic=False))):
             torch._dynamo.reset()
             with torch.profiler.profile() as prof:
                 out = fn(x, q, bias, scale)
             called = any(e.name == "astrai::cpu_matvec" for e in prof.events())
-            assert called == (rows <= INT8_KERNEL_MAX_ROWS), (name, rows)
+            assert called == (bound is None or rows <= bound), (name, rows)
             tol = (1e-2 if dtype == torch.bfloat16 else 1e-6) * expected_of(x).abs().max().item()
             assert_close(out.float(), expected_of(x), atol=tol)
-    if MIN_KERNEL_ROWS_INT8[dtype] > 1:  # fp32: one row keeps inductor's loop (as fast there, measured)
+    # one row: eager, the kernel (nothing to fuse with; fp32 would otherwise widen the whole weight for one row)
+    x = torch.randn(1, 64).to(dtype)
+    with torch.profiler.profile() as prof:
+        out = linear(x, q, bias, scale)
+    assert any(e.name == "astrai::cpu_matvec" for e in prof.events())
+    assert_close(
+        out.float(),
+        expected_of(x),
+        atol=(1e-2 if dtype == torch.bfloat16 else 1e-6) * expected_of(x).abs().max().item(),
+    )
+    if MIN_KERNEL_ROWS_INT8[dtype] > 1:  # compiled fp32: one row keeps inductor's loop (as fast there, measured)
         torch._dynamo.reset()
-        x = torch.randn(1, 64).to(dtype)
         out, (code,) = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, q, bias, scale)
         assert "cpu_matvec.default(" not in code
         assert_close(out.float(), expected_of(x), atol=1e-6 * expected_of(x).abs().max().item())
@@ -247,7 +294,7 @@ def _fresh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     ("env", "reason"),
     [
         ({"ASTRAI_CPU_KERNELS": "0"}, "disabled by ASTRAI_CPU_KERNELS=0"),
-        ({"CC": "false"}, "could not build the kernel: false failed on decode_attention.c matvec.c"),
+        ({"CC": "false"}, "could not build the kernel: false failed on decode_attention.c gemm_i8.c matvec.c"),
     ],
 )
 def test_without_a_kernel_the_op_falls_back_and_says_why(tmp_path, env, reason):

@@ -102,7 +102,7 @@ def test_matvec_op_equals_the_reference_and_the_python_kernel(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: fp32's blocked GEMM (gemm_i8.c)
 def test_matvec_op_with_int8_weights_equals_the_reference_and_the_python_kernel(dtype, rows):
     _needs_ops(dtype)
     gen = torch.Generator().manual_seed(rows)
