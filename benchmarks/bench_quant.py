@@ -3,9 +3,9 @@
 Speed (random weights of a named config, SmolLM2-135M by default; the same weights on every row): single-stream
 greedy decode through `astrai.generate_ids`, the notebook path, on its cached compiled engine, for the model in
 fp32 and bf16, each unquantized and `quantize="int8"`. Per row: first call (engine build + compile), then the
-median tok/s of `--repeats` whole calls with min/max, the weight bytes one decode step reads and the GB/s that
-makes (the machine's read bandwidth is measured in the same run), and the ratio to fp32. transformers
-`generate` (eager, fp32, same weights) is the context row.
+median tok/s of `--repeats` whole calls with min/max (the calls alternate between the variants, round by
+round), the weight bytes one decode step reads and the GB/s that makes (the machine's read bandwidth is measured
+in the same run), and the ratio to fp32. transformers `generate` (eager, fp32, same weights) is the context row.
 
 Batched decode (`--step-rows R [R ...]`): the engine's compiled decode step with R requests decoding, for the
 same four weight variants, each on its own `Engine` (`background=False`) in this process: after a warm-up, `--rounds`
@@ -64,27 +64,36 @@ def decode_bytes(model: Model) -> int:
 
 
 def speed_rows(base: Model, prompt: list[list[int]], args, hf_tok_s: float) -> list[dict]:
-    rows = []
     variants = [("float32", None), ("float32", "int8"), ("bfloat16", None), ("bfloat16", "int8")]
     variants = variants[:2] if args.smoke else variants  # smoke: each variant compiles its own engine
+    models, rows = [], []
     for dtype, quantize in variants:
         params = base.params if dtype == "float32" else astrai.tree.tree_map(lambda t: t.to(torch.bfloat16),
                                                                               base.params)  # fmt: skip
         if quantize:
             params = quantize_params(params, quantize)
-        model = Model(config=base.config, params=params, tokenizer=base.tokenizer, eos_token_ids=base.eos_token_ids)
+        models.append(Model(config=base.config, params=params, tokenizer=base.tokenizer,
+                            eos_token_ids=base.eos_token_ids))  # fmt: skip
 
-        def call(m=model) -> list[list[int]]:
-            return astrai.generate_ids(m, prompt, max_tokens=args.new, stop_token_ids=[])
+    def call(m: Model) -> list[list[int]]:
+        return astrai.generate_ids(m, prompt, max_tokens=args.new, stop_token_ids=[])
 
-        first_s = _timed(call)
-        seconds = [_timed(call) for _ in range(args.repeats)]
-        rates = [args.new / s for s in seconds]
+    first = [_timed(lambda m=m: call(m)) for m in models]  # each builds and compiles its cached engine
+    # then `repeats` rounds over every variant, in alternating order: a shared box's slow and fast minutes (its
+    # bandwidth moves between ~44 and ~70 GB/s) fall on all of them, not on whichever ran last
+    seconds: list[list[float]] = [[] for _ in models]
+    for r in range(args.repeats):
+        order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
+        for i in order:
+            seconds[i].append(_timed(lambda m=models[i]: call(m)))
+    for (dtype, quantize), model, first_s, times in zip(variants, models, first, seconds, strict=True):
+        rates = [args.new / s for s in times]
         nbytes = decode_bytes(model)
         rows.append(dict(weights=f"{dtype}{' + int8' if quantize else ''}", first_call_s=first_s,
                          tok_s=statistics.median(rates), tok_s_min=min(rates), tok_s_max=max(rates),
                          decode_mib=nbytes / 2**20, gbs=nbytes * statistics.median(rates) / 1e9,
-                         tokens=call()[0]))  # fmt: skip
+                         tokens=call(model)[0]))  # fmt: skip
+    for model in models:
         astrai.release_engines(model)
     fp32 = rows[0]["tok_s"]
     for row in rows:

@@ -60,11 +60,11 @@ MIN_KERNEL_ROWS = 2
 # fast or faster at one row (5.1 vs 6.3 ms, 7.2 vs 7.3), and the kernel wins from two rows (1.4-1.5x at 4-8 rows).
 MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
 # int8 products of up to this many rows (by x's dtype) take the kernel, compiled or eager: with a bf16 x, the engine's
-# decode graph above 8 rows then splits at 16 (one more graph). At 16 rows a SmolLM2-135M step took 29.1 ms against
-# 52.1 with the weights widened for the GEMM; in single products the widened GEMM caught up by 32 rows (16 vs 11 ms
-# over 60 weights of 1536 x 576). An fp32 x has no bound: past 21 rows the kernel runs a blocked GEMM that widens
-# each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`), 2.2-2.9x the widened MKL GEMM at 32 rows and
-# 1.6x at 512-2048 over SmolLM2-135M's projections (30-31 vs 65-90 ms, 427 vs 684, 1354 vs 2103).
+# decode graphs are then batch 1, 2-16 and above 16 (fp32 int8: 1 and above 1). At 16 rows a SmolLM2-135M step took
+# 29.1 ms against 52.1 with the weights widened for the GEMM; in single products the widened GEMM caught up by 32
+# rows (16 vs 11 ms over 60 weights of 1536 x 576). An fp32 x has no bound: past 21 rows the kernel runs a blocked
+# GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`), 2.2-2.9x the widened MKL GEMM at
+# 32 rows and 1.6x at 512-2048 over SmolLM2-135M's projections (30-31 vs 65-90 ms, 427 vs 684, 1354 vs 2103).
 INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 16}
 
 

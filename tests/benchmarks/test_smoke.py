@@ -96,6 +96,13 @@ def test_smoke_mode_reports_json(script, tmp_path):
         assert all(r["tok_s"] > 0 and r["steps"] > report["new_tokens"] for r in staggered["rows"])
 
 
+def test_packed_linear_int8_smoke_reports_json(tmp_path):
+    """bench_packed_linear --int8: the kernel, the widened weight and the float packs measured at 1 and 32 rows."""
+    report = _smoke("bench_packed_linear.py", tmp_path, timeout=120, args=("--int8",))
+    assert report["int8"] and [r["rows"] for r in report["results"]] == [1, 32]
+    assert all(r[f"{k}_ms"] > 0 for r in report["results"] for k in ("int8_kernel", "int8_widened", "float_packed"))
+
+
 def test_serve_smoke_reports_json(tmp_path):
     """bench_serve: the HTTP run (client in its own process) and the engine run both produced every token."""
     report = _smoke("bench_serve.py", tmp_path, timeout=300)
