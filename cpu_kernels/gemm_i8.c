@@ -21,7 +21,7 @@
  *
  * Interface: as matvec.c's entries (x [M, K], `count` weights [ns[g], K] int8, y [M, sum ns] fp32, a thread
  * count), which calls this past its row bound; returns 0, or -1 without touching y when the buffers cannot be
- * allocated (the caller then runs the matvec kernel).
+ * allocated or y is too wide for 32-bit scatter offsets (the caller then runs the matvec kernel).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -86,6 +86,8 @@ TARGET_F32 int astrai_gemm_i8_f32(const float *x, long M, long K, const int8_t *
     for (long g = 0; g < count; g++) ldy += ns[g];
     if (M <= 0 || K <= 0 || ldy <= 0)
         return 0;
+    if (ldy > INT32_MAX / 16) /* the scatter's offsets are 32-bit: 15 rows of y must fit */
+        return -1;
     long blocks = (M + BLOCK_M - 1) / BLOCK_M;
     long panel_rows = PANEL_BYTES / (K * (long)sizeof(float)) / TILE_N * TILE_N;
     panel_rows = panel_rows < TILE_N ? TILE_N : panel_rows;
