@@ -80,7 +80,7 @@ def speed_rows(base: Model, prompt: list[list[int]], args, hf_tok_s: float) -> l
 
     first = [_timed(lambda m=m: call(m)) for m in models]  # each builds and compiles its cached engine
     # then `repeats` rounds over every variant, in alternating order: a shared box's slow and fast minutes (its
-    # bandwidth moves between ~44 and ~70 GB/s) fall on all of them, not on whichever ran last
+    # bandwidth moves between ~44 and ~76 GB/s) fall on all of them, not on whichever ran last
     seconds: list[list[float]] = [[] for _ in models]
     for r in range(args.repeats):
         order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))

@@ -10,7 +10,8 @@
  * x rows, 24 fp32 accumulators along the x rows, one `vfmadd231ps` per weight and 16 rows with the weight broadcast
  * from the panel, x read from a copy packed as [K][32] per block of 32 rows (zeros past M). The accumulators hold
  * columns of y; they go out with a scatter store once per tile, masked to the rows that exist. Over SmolLM2-135M's
- * projections on the 2-core box: 30 ms at 32 rows against 65-90 ms widening for MKL, 1354 against 2103 at 2048.
+ * projections on the 2-core box: 35.5 ms at 32 rows against 93.0 widening for MKL, 1685 against 2784 at 2048
+ * (`benchmarks/bench_packed_linear.py --int8`).
  *
  * bf16 x has no such kernel: oneDNN's bf16 GEMM on the widened weight measured as fast or faster than a `vdpbf16ps`
  * version of this one at 16-512 rows (512 rows: 181 vs 278 ms over the same projections).

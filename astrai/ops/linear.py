@@ -63,8 +63,9 @@ MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
 # decode graphs are then batch 1, 2-16 and above 16 (fp32 int8: 1 and above 1). At 16 rows a SmolLM2-135M step took
 # 29.1 ms against 52.1 with the weights widened for the GEMM; in single products the widened GEMM caught up by 32
 # rows (16 vs 11 ms over 60 weights of 1536 x 576). An fp32 x has no bound: past 21 rows the kernel runs a blocked
-# GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`), 2.2-2.9x the widened MKL GEMM at
-# 32 rows and 1.6x at 512-2048 over SmolLM2-135M's projections (30-31 vs 65-90 ms, 427 vs 684, 1354 vs 2103).
+# GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`). Over SmolLM2-135M's projections
+# it took 35.5 ms at 32 rows against 93.0 for the widened MKL GEMM, 1685 against 2784 at 2048 (`bench_packed_linear.py
+# --int8`, docs/benchmarks.md "CPU int8 prefill").
 INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 16}
 
 
