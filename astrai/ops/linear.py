@@ -11,7 +11,7 @@ per-row scale. CPU products call the same hand-written kernel as below, compiled
 weights in registers (to fp32, or to bf16 pairs for a bf16 x), so decode reads a quarter of the fp32 bytes; the
 scale and bias then apply to the fp32 product. Compiled, it takes products from 1 row with a bf16 x and from 2 with
 fp32 (one fp32 row keeps inductor's loop, fused with its neighbours); eager, from 1 row. With a bf16 x it takes up
-to `INT8_KERNEL_MAX_ROWS` (16) rows; with fp32 any number: past 21 rows the kernel runs a blocked GEMM that widens
+to `INT8_KERNEL_MAX_ROWS` (32) rows; with fp32 any number: past 21 rows the kernel runs a blocked GEMM that widens
 each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`, prefill). Without the kernel, few-row compiled
 products take the loop, which does the widening in registers too (measured 2.3-3.4x the fp32 loop on this box,
 docs/benchmarks.md). Elsewhere (more bf16 rows, GPU) the weight is widened to the input's dtype and multiplied as
@@ -59,14 +59,15 @@ MIN_KERNEL_ROWS = 2
 # whole SmolLM2-135M decode step ran 2.1x faster through the kernel (6.5 vs 13.4 ms). With an fp32 x the loop was as
 # fast or faster at one row (5.1 vs 6.3 ms, 7.2 vs 7.3), and the kernel wins from two rows (1.4-1.5x at 4-8 rows).
 MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
-# int8 products of up to this many rows (by x's dtype) take the kernel, compiled or eager: with a bf16 x, the engine's
-# decode graphs are then batch 1, 2-16 and above 16 (fp32 int8: 1 and above 1). At 16 rows a SmolLM2-135M step took
-# 29.1 ms against 52.1 with the weights widened for the GEMM; in single products the widened GEMM caught up by 32
-# rows (16 vs 11 ms over 60 weights of 1536 x 576). An fp32 x has no bound: past 21 rows the kernel runs a blocked
-# GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`). Over SmolLM2-135M's projections
-# it took 35.5 ms at 32 rows against 93.0 for the widened MKL GEMM, 1685 against 2784 at 2048 (`bench_packed_linear.py
-# --int8`, docs/benchmarks.md "CPU int8 prefill").
-INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 16}
+# int8 products of up to this many rows (by x's dtype) take the kernel, compiled or eager. With a bf16 x the engine's
+# decode graphs are then batch 1, 2-32 and above 32 (fp32 int8: 1 and above 1), and past 32 rows the weight is widened
+# to bf16 for oneDNN's GEMM. A SmolLM2-135M engine decode step, kernel against widened (in-process A/B, an engine per
+# arm, 5 alternating rounds, ms): 24 rows 34.3 vs 54.5, 32 rows 41.4 vs 50.8, 48 rows 69.1 vs 75.8 (59-79), 64 rows
+# 88.8 vs 65.9. An fp32 x has no bound: past 21 rows the kernel runs a blocked GEMM that widens each panel of weight
+# rows once in L2 (`cpu_kernels/gemm_i8.c`). Over SmolLM2-135M's projections it took 35.5 ms at 32 rows against 93.0
+# for the widened MKL GEMM, 1685 against 2784 at 2048 (`bench_packed_linear.py --int8`, docs/benchmarks.md "CPU int8
+# prefill").
+INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 32}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:

@@ -195,9 +195,10 @@ def test_compiled_int8_products_call_the_kernel_and_apply_the_scales(dtype):
         assert_close(out.float(), expected, atol=tol)
         # negative control: without its scale the product is far off
         assert (out.float() - F.linear(x.float(), q.float())).abs().max() > 1.0
-    # bf16: up to 16 rows, the widened GEMM past them; fp32: any number (the kernel's blocked GEMM from 22)
+    # bf16: up to 32 rows, the widened GEMM past them; fp32: any number (the kernel's blocked GEMM from 22)
     bound = INT8_KERNEL_MAX_ROWS.get(dtype)
-    for rows in (16, 17, 40):
+    assert bound == (32 if dtype == torch.bfloat16 else None)
+    for rows in (16, 32, 33, 40):
         x = torch.randn(rows, 64).to(dtype)
         for name, fn in (("eager", linear), ("compiled", torch.compile(linear, fullgraph=True, dynamic=False))):
             torch._dynamo.reset()
