@@ -11,12 +11,12 @@ per-row scale. CPU products call the same hand-written kernel as below, compiled
 weights in registers (to fp32, or to bf16 pairs for a bf16 x), so decode reads a quarter of the fp32 bytes; the
 scale and bias then apply to the fp32 product. Compiled, it takes products from 1 row with a bf16 x and from 2 with
 fp32 (one fp32 row keeps inductor's loop, fused with its neighbours); eager, from 1 row. With a bf16 x it takes up
-to `INT8_KERNEL_MAX_ROWS` (32) rows; with fp32 any number: past 21 rows the kernel runs a blocked GEMM that widens
-each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`, prefill). Without the kernel, few-row compiled
-products take the loop, which does the widening in registers too (measured 2.3-3.4x the fp32 loop on this box,
-docs/benchmarks.md). Elsewhere (more bf16 rows, GPU) the weight is widened to the input's dtype and multiplied as
-usual, the scale applied to the product's columns; under `torch.compile` on GPU inductor fuses the widening into
-the matmul.
+to 32 rows compiled and 24 eager (`INT8_KERNEL_MAX_ROWS`, `INT8_EAGER_MAX_ROWS`); with fp32 any number: past 21
+rows the kernel runs a blocked GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`,
+prefill). Without the kernel, few-row compiled products take the loop, which does the widening in registers too
+(measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md). Elsewhere (more bf16 rows, GPU) the weight is
+widened to the input's dtype and multiplied as usual, the scale applied to the product's columns; under
+`torch.compile` on GPU inductor fuses the widening into the matmul.
 
 With 2-8 rows of bf16, or 2-3 of fp32 (batched decode, n > 1 sampling), on an AVX-512 CPU the products instead
 call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
@@ -68,6 +68,10 @@ MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
 # for the widened MKL GEMM, 1685 against 2784 at 2048 (`bench_packed_linear.py --int8`, docs/benchmarks.md "CPU int8
 # prefill").
 INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 32}
+# Eager (prefill), the widened weight through oneDNN gains on the kernel sooner: a bf16 + int8 prefill of SmolLM2-135M
+# (one `generate_ids` call, max_tokens=1, 7 alternating calls, ms) took 35.5 vs 38.5 widened at 20 tokens, 39.4 vs
+# 38.9 at 24, 47.2 vs 43.4 at 32.
+INT8_EAGER_MAX_ROWS = {torch.bfloat16: 24}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -123,10 +127,11 @@ def _row_reduce(x: Tensor, *, int8: bool = False) -> bool:
 
 
 def _int8_kernel_rows(x: Tensor) -> bool:
-    """A CPU int8 product within `INT8_KERNEL_MAX_ROWS` rows for x's dtype, compiled or eager (the kernel needs no
-    trace)."""
+    """A CPU int8 product within the row bound for x's dtype: `INT8_KERNEL_MAX_ROWS` compiled, `INT8_EAGER_MAX_ROWS`
+    eager (the kernel needs no trace)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x.device.type == "cpu" and 0 < rows <= INT8_KERNEL_MAX_ROWS.get(x.dtype, rows)
+    bounds = INT8_KERNEL_MAX_ROWS if torch.compiler.is_compiling() else INT8_EAGER_MAX_ROWS
+    return x.device.type == "cpu" and 0 < rows <= bounds.get(x.dtype, rows)
 
 
 def _reduce_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> Tensor:

@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from astrai.cpu_kernels import library
 from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.ops import packed_linear
-from astrai.ops.linear import INT8_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, MIN_KERNEL_ROWS_INT8, linear, linears, reduce_rows
+from astrai.ops.linear import (
+    INT8_EAGER_MAX_ROWS,
+    INT8_KERNEL_MAX_ROWS,
+    MAX_REDUCE_ROWS,
+    MIN_KERNEL_ROWS_INT8,
+    linear,
+    linears,
+    reduce_rows,
+)
 from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,17 +203,17 @@ def test_compiled_int8_products_call_the_kernel_and_apply_the_scales(dtype):
         assert_close(out.float(), expected, atol=tol)
         # negative control: without its scale the product is far off
         assert (out.float() - F.linear(x.float(), q.float())).abs().max() > 1.0
-    # bf16: up to 32 rows, the widened GEMM past them; fp32: any number (the kernel's blocked GEMM from 22)
-    bound = INT8_KERNEL_MAX_ROWS.get(dtype)
-    assert bound == (32 if dtype == torch.bfloat16 else None)
-    for rows in (16, 32, 33, 40):
+    # bf16: up to 32 rows compiled and 24 eager, the widened GEMM past them; fp32: any number (the blocked GEMM from 22)
+    bounds = {"compiled": INT8_KERNEL_MAX_ROWS.get(dtype), "eager": INT8_EAGER_MAX_ROWS.get(dtype)}
+    assert bounds == ({"compiled": 32, "eager": 24} if dtype == torch.bfloat16 else {"compiled": None, "eager": None})
+    for rows in (16, 24, 25, 32, 33, 40):
         x = torch.randn(rows, 64).to(dtype)
         for name, fn in (("eager", linear), ("compiled", torch.compile(linear, fullgraph=True, dynamic=False))):
             torch._dynamo.reset()
             with torch.profiler.profile() as prof:
                 out = fn(x, q, bias, scale)
             called = any(e.name == "astrai::cpu_matvec" for e in prof.events())
-            assert called == (bound is None or rows <= bound), (name, rows)
+            assert called == (bounds[name] is None or rows <= bounds[name]), (name, rows)
             tol = (1e-2 if dtype == torch.bfloat16 else 1e-6) * expected_of(x).abs().max().item()
             assert_close(out.float(), expected_of(x), atol=tol)
     # one row: eager, the kernel (nothing to fuse with; fp32 would otherwise widen the whole weight for one row)
