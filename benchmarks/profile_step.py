@@ -15,6 +15,9 @@ step of each kind under `torch.profiler` and reports:
   135M model on an H100/H200);
 - kernels launched per step (CUDA: kernel events, graph-replayed ones included) or aten ops (CPU);
   `--fuse-projections on/off` compares the decode step with q/k/v and gate/up fused or not (issue 16 item 1);
+- `--tuner-launch-at N`: mixed steps of N new tokens timed twice more, with the autotuned Triton kernels launched
+  through `triton.autotune`'s per-call lookup as well as from their remembered configs (`triton_kernels/_launch.py`),
+  in the same round robin;
 - the top operators by self time, and a Chrome trace per step in `--trace-dir` (open in Perfetto).
 
 Prints rich tables and the JSON report as the last stdout line. `--smoke`: a tiny config in seconds (CI).
@@ -39,6 +42,7 @@ from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.params import SamplingParams
 from astrai.io.model import Model, save
 from astrai.models.decoder import init_params
+from astrai.triton_kernels import _launch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
 GEMM_KERNEL = re.compile(r"gemm|matmul|cutlass|xmma|wgmma", re.I)
@@ -141,31 +145,39 @@ def run(args) -> dict:
         runner, compiled = engine.runner, engine.runner.compiled_prefill
         modes = ["compiled", "eager"] if compiled is not None else ["eager"]
 
-        def prefill_mode(mode: str) -> None:
-            runner.compiled_prefill = compiled if mode == "compiled" else None
+        cache_configs = _launch.CACHE_CONFIGS
 
-        shapes = [("decode", 0, "-"), *(("mixed", p, m) for p in args.prefill for m in modes)]
+        def step_mode(shape: tuple) -> None:
+            # the prefill path, and how autotuned Triton kernels launch (remembered config or the tuner's lookup)
+            runner.compiled_prefill = compiled if shape[2] == "compiled" else None
+            _launch.CACHE_CONFIGS = shape[3] == "cached"
+
+        shapes = [("decode", 0, "-", "cached")]
+        for p in args.prefill:
+            launches = ("cached", "tuner") if p in args.tuner_launch_at else ("cached",)
+            shapes += [("mixed", p, m, launch) for m in modes for launch in launches]
         times = {shape: [] for shape in shapes}
         steps = {shape: work.decode if shape[0] == "decode" else (lambda n=shape[1]: work.mixed(n)) for shape in shapes}
         for shape in shapes:  # compile, autotune, capture
-            prefill_mode(shape[2])
+            step_mode(shape)
             for _ in range(args.warmup):
                 steps[shape]()
         for _ in range(args.repeats):  # round robin: every shape sees the machine's load of the same minutes
             for shape in shapes:
-                prefill_mode(shape[2])
+                step_mode(shape)
                 times[shape].append(timed(steps[shape], 1)[0])
         for shape in shapes:
-            kind, new, mode = shape
-            prefill_mode(shape[2])
-            trace = trace_dir / f"step_{kind}_{new}_{mode}.json" if trace_dir is not None else None
+            kind, new, mode, launch = shape
+            step_mode(shape)
+            name = f"step_{kind}_{new}_{mode}" + ("_tuner" if launch == "tuner" else "")
+            trace = trace_dir / f"{name}.json" if trace_dir is not None else None
             prof = profiled(steps[shape], device, trace)
             ms = statistics.median(times[shape])
-            rows.append({"step": kind, "new_tokens": new, "decode_rows": args.rows, "prefill": mode, "ms": ms,
-                         "ms_min": min(times[shape]), "ms_max": max(times[shape]), **prof,
+            rows.append({"step": kind, "new_tokens": new, "decode_rows": args.rows, "prefill": mode, "launch": launch,
+                         "ms": ms, "ms_min": min(times[shape]), "ms_max": max(times[shape]), **prof,
                          "x_gemm": ms / prof["gemm_ms"] if prof["gemm_ms"] else None,
                          "trace": str(trace) if trace else None})  # fmt: skip
-        prefill_mode("compiled")
+        runner.compiled_prefill, _launch.CACHE_CONFIGS = compiled, cache_configs
         fused = engine.runner.model is not engine.model  # the engine serves a fused copy
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"benchmark": "profile_step", "config": args.config, "device": name, "dtype": args.dtype,
@@ -179,11 +191,12 @@ def show(r: dict) -> None:
     title = f"one engine step, {r['config']} {r['dtype']} on {r['device']}, {layout} (median of {r['repeats']})"
     console.print(table(title,
                         r["rows"], [("step", "s"), ("new_tokens", "d"), ("decode_rows", "d"), ("prefill", "s"),
-                                    ("ms", ".2f"), ("gemm_ms", ".2f"), ("x_gemm", ".2f"),
+                                    ("launch", "s"), ("ms", ".2f"), ("gemm_ms", ".2f"), ("x_gemm", ".2f"),
                                     ("launches", "d")]))  # fmt: skip
     for row in r["rows"]:
         title = f"top operators by self time: {row['step']} step, {row['new_tokens']} new tokens"
         title += f", {row['prefill']} prefill" if row["step"] == "mixed" else ""
+        title += ", launched through the autotuner" if row["launch"] == "tuner" else ""
         console.print(table(title, row["top"], [("op", "s"), ("calls", "d"), ("self_ms", ".3f")]))
 
 
@@ -204,6 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(FUSE),
         default="auto",
         help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: on CUDA)",
+    )
+    parser.add_argument(
+        "--tuner-launch-at",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time mixed steps of these new-token counts with every autotuned Triton kernel launched through "
+        "triton.autotune's per-call lookup (ASTRAI_TRITON_TUNED_LAUNCH=0), against the remembered config (CUDA)",
     )
     parser.add_argument("--trace-dir", type=Path, default=None, help="write one Chrome trace per step kind here")
     parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (seconds)")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check (run on a CUDA machine from the repo root): kernel tests compiled (no interpreter),
-# the cuda_ref build and tests, and the kernel benchmarks. Logs and JSON go to ${OUT:-benchmarks/results}.
+# the cuda_ref build and tests, and the kernel benchmarks (with the tuned kernels' launch host time).
+# Logs and JSON go to ${OUT:-benchmarks/results}.
 # Stages are independent: a failure in one does not skip the others. Exit status: number of failed stages.
 set -u
 source "$(dirname "$0")/_gpu_stage.sh"
@@ -15,6 +16,8 @@ stage cuda_ref_tests "${CUDA_REF_TIMEOUT:-170}" $py -m pytest -q -p no:cacheprov
   --durations=5 tests/cuda_ref
 stage bench_attention "${BENCH_TIMEOUT:-130}" $py benchmarks/bench_attention.py
 stage bench_rotary 60 $py benchmarks/bench_rotary.py
+# host time per attention op call: the autotuner's per-call lookup against the remembered config (issue 16 item 1)
+stage bench_launch 40 $py benchmarks/bench_launch.py
 cp benchmarks/results/*.json "$out"/ 2>/dev/null || true
 echo "failed stages: $failed"
 exit "$failed"

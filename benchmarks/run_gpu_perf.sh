@@ -6,7 +6,8 @@
 # on CPU so far; the overlap test checks that launching a decode step never syncs the host), the fused MoE kernel
 # (sync-free experts: DeepSeek-shaped MLA + MoE engines now capture CUDA graphs),
 # the step profile (profile_step.py: a decode step and mixed steps through the compiled and the eager prefill
-# under torch.profiler, Chrome traces kept), batch-1 decode steps with fused projections on and off (ms, kernels per
+# under torch.profiler, Chrome traces kept; at 128 new tokens also with the autotuned kernels launched through
+# the autotuner's per-call lookup, against triton_kernels/_launch.py's remembered configs), batch-1 decode steps with fused projections on and off (ms, kernels per
 # step), the
 # engine benchmark in bf16 (CUDA graphs on and off, overlap schedule on and off) and nano-vllm's serving workload (bench_throughput --preset
 # gpu, one timed repeat). Logs, JSON and traces go to ${OUT:-benchmarks/results}. Stages are independent.
@@ -21,7 +22,7 @@ stage compiled_prefill_gpu "${PREFILL_TIMEOUT:-100}" $py -m pytest -q -p no:cach
   tests/astrai/inference/test_overlap.py tests/astrai/models/test_deepseek_parity.py tests/triton_kernels/test_fused_moe.py \
   -k "compiled or prefill or cuda or overlap"
 stage profile_step "${PROFILE_TIMEOUT:-70}" $py benchmarks/profile_step.py --device cuda --trace-dir "$out/traces" \
-  --out "$out/h200_profile_step.json"
+  --tuner-launch-at 128 --out "$out/h200_profile_step.json"
 for fuse in on off; do  # issue 16 item 1: batch-1 decode with q/k/v and gate/up fused (the CUDA default) or apart
   stage "decode_fusion_$fuse" "${FUSION_TIMEOUT:-40}" $py benchmarks/profile_step.py --device cuda --rows 1 --prefill 128 \
     --eager-prefill --warmup 2 --repeats 9 --fuse-projections "$fuse" --out "$out/h200_profile_decode_fused_$fuse.json"

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import check_last_dim_contiguous, interpreting, num_sms, prune_by, upcast
+from ._common import cdiv, check_last_dim_contiguous, interpreting, next_power_of_2, num_sms, prune_by, upcast
+from ._launch import TunedKernel
 
 __all__ = ["decode_attention", "decode_attention_ref", "keep"]
 
@@ -178,11 +179,13 @@ _CONFIGS = [
     for s in (2, 3)
 ]
 # Tuned once per (head dim, group tile, page size, dtypes); the split count only changes the work per program.
-_decode_stage1_autotuned = triton.autotune(
-    configs=_CONFIGS,
-    key=["BLOCK_D", "BLOCK_G", "PAGE_SIZE"],
-    prune_configs_by={"early_config_prune": prune_by(keep, "BLOCK_D")},
-)(_decode_stage1_kernel)
+_decode_stage1_tuned = TunedKernel(
+    triton.autotune(
+        configs=_CONFIGS,
+        key=["BLOCK_D", "BLOCK_G", "PAGE_SIZE"],
+        prune_configs_by={"early_config_prune": prune_by(keep, "BLOCK_D")},
+    )(_decode_stage1_kernel)
+)
 
 
 def _gather_pages(cache: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int) -> Tensor:
@@ -238,9 +241,9 @@ def decode_attention_ref(
 
 def _num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """Splits per (request, kv head): enough programs for ~4 per SM, each split >= 256 of the max tokens."""
-    want = triton.cdiv(4 * num_sms(device), max(batch * num_kv_heads, 1))
+    want = cdiv(4 * num_sms(device), max(batch * num_kv_heads, 1))
     cap = max(1, max_len // _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(triton.next_power_of_2(want), _MAX_SPLITS, 1 << (cap.bit_length() - 1)))
+    return max(1, min(next_power_of_2(want), _MAX_SPLITS, 1 << (cap.bit_length() - 1)))
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor) -> None:
@@ -265,9 +268,9 @@ def _decode_attention(
     if batch == 0:
         return out
     interp = interpreting()
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     # tl.dot needs M >= 16 on tensor cores; the interpreter has no minimum and pays for every padded row.
-    block_g = triton.next_power_of_2(group) if interp else max(16, triton.next_power_of_2(group))
+    block_g = next_power_of_2(group) if interp else max(16, next_power_of_2(group))
     # Partials are only read when there is more than one split; the 1-split kernel writes `out` directly.
     mid_shape = (batch, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
     mid_o = torch.empty((*mid_shape, head_dim), device=q.device, dtype=torch.float32)  # [B, H, NS, D]
@@ -283,7 +286,7 @@ def _decode_attention(
     if interp:  # autotuning is meaningless under the interpreter (configs are stripped)
         _decode_stage1_kernel[grid](*args, **meta, BLOCK_N=16)
     else:
-        _decode_stage1_autotuned[grid](*args, **meta)
+        _decode_stage1_tuned.launch(grid, args, meta)
     if num_splits > 1:
         _merge_splits(mid_o, mid_lse, out, head_dim=head_dim, block_d=block_d)
     return out
@@ -295,7 +298,7 @@ def _merge_splits(mid_o: Tensor, mid_lse: Tensor, out: Tensor, *, head_dim: int,
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, enable_fp_fusion=True,
+        BLOCK_S=next_power_of_2(num_splits), num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
 
 

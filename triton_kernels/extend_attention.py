@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import autotune_configs, check_last_dim_contiguous, interpreting, upcast
+from ._common import autotune_configs, cdiv, check_last_dim_contiguous, interpreting, next_power_of_2, upcast
+from ._launch import TunedKernel
 from .decode_attention import _gather_pages, _key_mask, _masked_sdpa, decode_attention_ref
 
 __all__ = ["extend_attention", "extend_attention_ref"]
@@ -255,7 +256,7 @@ def extend_per_request(
     if len(single) > 1:
         idx = torch.tensor(single, device=q.device)
         rows = cu_seqlens_q[idx].long()
-        width = triton.cdiv(max(lens[b] for b in single), page_size)
+        width = cdiv(max(lens[b] for b in single), page_size)
         one = decode_rows(q[rows], k_cache, v_cache, block_table[idx, :width], seq_lens[idx], page_size=page_size,
                           scale=scale, window=window)  # fmt: skip
         out[rows] = one.float()
@@ -264,7 +265,7 @@ def extend_per_request(
         start, end = cu[b], cu[b + 1]
         if end == start or length == 0 or b in batched:  # length 0: a padding request, attends to nothing
             continue
-        pages = block_table[b : b + 1, : triton.cdiv(length, page_size)]  # [1, P_b]: only the pages it uses
+        pages = block_table[b : b + 1, : cdiv(length, page_size)]  # [1, P_b]: only the pages it uses
         lens_b = seq_lens[b : b + 1]
         k = _gather_pages(k_cache, pages, lens_b, page_size)[:, :length].transpose(1, 2)  # [1, K, L, D]
         v = _gather_pages(v_cache, pages, lens_b, page_size)[:, :length].transpose(1, 2)
@@ -303,20 +304,22 @@ def _keep(configs: list[triton.Config], named_args: dict, **kwargs) -> list[trit
     if kept:
         return autotune_configs(kept)
     # Huge groups or head dims: the smallest tiles that still hold one token of the group.
-    rows = max(64, triton.next_power_of_2(group))
+    rows = max(64, next_power_of_2(group))
     return [triton.Config({"BLOCK_M": rows, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
 
 
-_extend_attention_tuned = triton.autotune(
-    configs=_configs(),
-    key=["GROUP", "HEAD_DIM_PAD", "PAGE_SIZE", "USE_WINDOW"],
-    prune_configs_by={"early_config_prune": _keep},
-)(_extend_attention_kernel)
+_extend_attention_tuned = TunedKernel(
+    triton.autotune(
+        configs=_configs(),
+        key=["GROUP", "HEAD_DIM_PAD", "PAGE_SIZE", "USE_WINDOW"],
+        prune_configs_by={"early_config_prune": _keep},
+    )(_extend_attention_kernel)
+)
 
 
 def _interpreter_block_m(group: int) -> int:
     # About 8 tokens per block under the interpreter: several blocks per request even for short test sequences.
-    return max(16, triton.next_power_of_2(8 * group))
+    return max(16, next_power_of_2(8 * group))
 
 
 @torch.library.custom_op("astrai::extend_attention", mutates_args=())
@@ -361,7 +364,7 @@ def extend_attention(
     consts = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         PAGE_SIZE=page_size,
         USE_WINDOW=window > 0,
         UPCAST=upcast(),
@@ -377,7 +380,7 @@ def extend_attention(
         _extend_attention_kernel[grid(meta)](*args, **consts, **meta)
     else:
         # Explicit FMA fusion: triton 3.9 warns when it is left to the default (fatal under filterwarnings=error).
-        _extend_attention_tuned[grid](*args, **consts, enable_fp_fusion=True)
+        _extend_attention_tuned.launch(grid, args, {**consts, "enable_fp_fusion": True})
     return out
 
 

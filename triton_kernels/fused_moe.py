@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import autotune_configs, interpreting, upcast
+from ._common import autotune_configs, cdiv, interpreting, upcast
+from ._launch import TunedKernel
 
 __all__ = ["fused_experts", "fused_experts_ref", "moe_align"]
 
@@ -45,7 +46,7 @@ def moe_align(idx: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
     """
     flat = idx.reshape(-1).long()
     pairs = flat.numel()
-    num_blocks = triton.cdiv(pairs, block_m) + num_experts
+    num_blocks = cdiv(pairs, block_m) + num_experts
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
     counts = counts.scatter_add(0, flat, torch.ones_like(flat))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
@@ -113,10 +114,10 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     return autotune_configs(configs)
 
 
-_moe_gemm_autotuned = triton.autotune(
+_moe_gemm_tuned = TunedKernel(triton.autotune(
     configs=_CONFIGS, key=["out_features", "in_features", "BLOCK_M", "HAS_SCALE"],
     prune_configs_by={"early_config_prune": _prune},
-)(_moe_gemm_kernel)  # fmt: skip
+)(_moe_gemm_kernel))  # fmt: skip
 
 
 def _block_m(pairs: int) -> int:
@@ -148,10 +149,10 @@ def _gemm(x, w, scale, route, sorted_pairs, block_expert, *, num_pairs, top_k, r
     meta = dict(NUM_EXPERTS=w.shape[0], TOP_K=top_k, ROWS_BY_TOKEN=rows_by_token, HAS_SCALE=scale is not None,
                 HAS_ROUTE=route is not None, BLOCK_M=block_m, UPCAST=upcast())  # fmt: skip
     if interpreting():
-        grid = (block_expert.shape[0], triton.cdiv(w.shape[1], 16))
+        grid = (block_expert.shape[0], cdiv(w.shape[1], 16))
         _moe_gemm_kernel[grid](*args, **meta, BLOCK_N=16, BLOCK_K=16)
     else:
-        _moe_gemm_autotuned[lambda m: (block_expert.shape[0], triton.cdiv(w.shape[1], m["BLOCK_N"]))](*args, **meta)
+        _moe_gemm_tuned.launch(lambda m: (block_expert.shape[0], cdiv(w.shape[1], m["BLOCK_N"])), args, meta)
     return out
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import check_last_dim_contiguous
+from ._common import cdiv, check_last_dim_contiguous, next_power_of_2
 
 __all__ = ["kv_store_", "kv_store_ref_", "store_rows_ref_"]
 
@@ -112,10 +112,10 @@ def kv_store_(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappi
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     # Up to ~4K elements per program: whole tokens for typical K * D, so each program streams 2 x 8 KB.
-    block_k = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_k))
+    block_k = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
+    grid = (num_tokens, cdiv(num_kv_heads, block_k))
     _kv_store_kernel[grid](
         k_cache,
         v_cache,

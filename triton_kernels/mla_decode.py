@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import check_last_dim_contiguous, interpreting, prune_by, upcast
+from ._common import cdiv, check_last_dim_contiguous, interpreting, next_power_of_2, prune_by, upcast
+from ._launch import TunedKernel
 from .decode_attention import _block_slots, _merge_splits, _num_splits, decode_attention_ref
 
 __all__ = ["keep", "mla_decode", "mla_decode_ref"]
@@ -122,11 +123,13 @@ def keep(conf: triton.Config, block_r: int) -> bool:
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn in (16, 32, 64) for w in (4, 8) for s in (1, 2)
 ]
-_mla_stage1_autotuned = triton.autotune(
-    configs=_CONFIGS,
-    key=["BLOCK_R", "BLOCK_PE", "BLOCK_H", "PAGE_SIZE"],
-    prune_configs_by={"early_config_prune": prune_by(keep, "BLOCK_R")},
-)(_mla_decode_stage1_kernel)
+_mla_stage1_tuned = TunedKernel(
+    triton.autotune(
+        configs=_CONFIGS,
+        key=["BLOCK_R", "BLOCK_PE", "BLOCK_H", "PAGE_SIZE"],
+        prune_configs_by={"early_config_prune": prune_by(keep, "BLOCK_R")},
+    )(_mla_decode_stage1_kernel)
+)
 
 
 def mla_decode_ref(
@@ -165,10 +168,10 @@ def _mla_decode(
     if batch == 0:
         return out
     interp = interpreting()
-    block_r = max(16, triton.next_power_of_2(kv_lora_rank))
-    block_pe = max(16, triton.next_power_of_2(width - kv_lora_rank))
+    block_r = max(16, next_power_of_2(kv_lora_rank))
+    block_pe = max(16, next_power_of_2(width - kv_lora_rank))
     # tl.dot needs M >= 16 on tensor cores; the interpreter has no minimum and pays for every padded row.
-    block_h = min(16, triton.next_power_of_2(num_heads)) if interp else 16
+    block_h = min(16, next_power_of_2(num_heads)) if interp else 16
     mid_shape = (batch, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
     mid_o = torch.empty((*mid_shape, kv_lora_rank), device=q.device, dtype=torch.float32)  # [B, H, NS, R]
     mid_lse = torch.empty(mid_shape, device=q.device, dtype=torch.float32)  # [B, H, NS]
@@ -178,11 +181,11 @@ def _mla_decode(
     meta = dict(NUM_HEADS=num_heads, KV_LORA_RANK=kv_lora_rank, ROPE_DIM=width - kv_lora_rank, BLOCK_H=block_h,
                 BLOCK_R=block_r, BLOCK_PE=block_pe, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, UPCAST=upcast(),
                 enable_fp_fusion=True)  # fmt: skip
-    grid = (batch, triton.cdiv(num_heads, block_h), num_splits)
+    grid = (batch, cdiv(num_heads, block_h), num_splits)
     if interp:  # autotuning is meaningless under the interpreter
         _mla_decode_stage1_kernel[grid](*args, **meta, BLOCK_N=16)
     else:
-        _mla_stage1_autotuned[grid](*args, **meta)
+        _mla_stage1_tuned.launch(grid, args, meta)
     if num_splits > 1:
         _merge_splits(mid_o, mid_lse, out, head_dim=kv_lora_rank, block_d=block_r)
     return out
@@ -209,7 +212,7 @@ def mla_decode(
     The first call per (R, Dr, page size, dtype) on a GPU autotunes stage 1: warm up before graph capture.
     """
     _check(q, cache, block_table, seq_lens, kv_lora_rank)
-    head_blocks = triton.cdiv(q.shape[1], 16)
+    head_blocks = cdiv(q.shape[1], 16)
     num_splits = _num_splits(q.shape[0], head_blocks, block_table.shape[1] * page_size, q.device)
     return _mla_decode(q, cache, block_table, seq_lens, kv_lora_rank, page_size, scale, num_splits)
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import check_last_dim_contiguous
+from ._common import cdiv, check_last_dim_contiguous, next_power_of_2
 
 __all__ = ["block_sizes", "rotary", "rotary_ref", "rotate_block"]
 
@@ -180,8 +180,8 @@ def block_sizes(num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: i
     # BLOCK_T brings a program to ~4K elements so tiny head counts (K = 1, 2) still move enough bytes.
     common = math.gcd(num_q_heads, num_k_heads)
     block_h = min(common & -common, 16)
-    rows = max(1, 4096 // (block_h * triton.next_power_of_2(head_dim)))
-    block_t = min(triton.next_power_of_2(rows), triton.next_power_of_2(max(num_tokens, 1)), 64)
+    rows = max(1, 4096 // (block_h * next_power_of_2(head_dim)))
+    block_t = min(next_power_of_2(rows), next_power_of_2(max(num_tokens, 1)), 64)
     return block_t, block_h
 
 
@@ -198,7 +198,7 @@ def _rotary(
     if num_tokens == 0:
         return q_out, k_out
     block_t, block_h = block_sizes(num_tokens, num_q_heads, num_k_heads, head_dim)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(num_q_heads, block_h) + cdiv(num_k_heads, block_h))
     pos = positions if positions is not None else cos  # never read without HAS_POSITIONS
     _rotary_kernel[grid](
         q, k, q_out, k_out, cos, sin, pos, num_tokens, num_q_heads, num_k_heads, cos.shape[0],
@@ -206,7 +206,7 @@ def _rotary(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), sin.stride(0), pos.stride(0),
         HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved, INVERSE=inverse,
-        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_T=block_t, BLOCK_H=block_h,
+        HALF=head_dim // 2, HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_T=block_t, BLOCK_H=block_h,
         num_warps=4, enable_fp_fusion=True,  # explicit: triton 3.9 warns when FMA fusion is left to the default
     )  # fmt: skip
     return q_out, k_out

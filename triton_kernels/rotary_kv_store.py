@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import check_last_dim_contiguous
+from ._common import cdiv, check_last_dim_contiguous, next_power_of_2
 from .kv_store import kv_store_ref_
 from .rotary import block_sizes, rotary_ref, rotate_block
 
@@ -157,13 +157,13 @@ def rotary_kv_store_(
         return q_out
     block_t, block_h = block_sizes(num_tokens, num_q_heads, num_k_heads, head_dim)
     has_norm = q_norm is not None  # the gains are never read without HAS_NORM
-    heads = triton.cdiv(num_q_heads, block_h) + 2 * triton.cdiv(num_k_heads, block_h)
-    _rotary_kv_store_kernel[(triton.cdiv(num_tokens, block_t), heads)](
+    heads = cdiv(num_q_heads, block_h) + 2 * cdiv(num_k_heads, block_h)
+    _rotary_kv_store_kernel[(cdiv(num_tokens, block_t), heads)](
         q, k, v, q_out, k_cache, v_cache, cos, sin, slot_mapping, num_tokens, num_q_heads, num_k_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos.stride(0), sin.stride(0), q_norm if has_norm else cos, k_norm if has_norm else cos, float(eps),
-        INTERLEAVED=interleaved, HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        INTERLEAVED=interleaved, HALF=head_dim // 2, HALF_PAD=next_power_of_2(head_dim // 2),
         BLOCK_T=block_t, BLOCK_H=block_h, HAS_NORM=has_norm, ROUND_NORM=has_norm and q_norm.dtype == q.dtype,
         num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip

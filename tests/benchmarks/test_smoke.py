@@ -103,6 +103,13 @@ def test_packed_linear_int8_smoke_reports_json(tmp_path):
     assert all(r[f"{k}_ms"] > 0 for r in report["results"] for k in ("int8_kernel", "int8_widened", "float_packed"))
 
 
+def test_launch_smoke_reports_json(tmp_path):
+    """bench_launch: both attention ops timed through the tuner's lookup and from the remembered config."""
+    report = _smoke("bench_launch.py", tmp_path, timeout=120)
+    assert [r["op"] for r in report["results"]] == ["decode_attention", "extend_attention"]
+    assert all(r["tuner_us"] > 0 and r["remembered_us"] > 0 for r in report["results"])
+
+
 def test_serve_smoke_reports_json(tmp_path):
     """bench_serve: the HTTP run (client in its own process) and the engine run both produced every token."""
     report = _smoke("bench_serve.py", tmp_path, timeout=300)
@@ -198,11 +205,16 @@ def test_structured_smoke_reports_json(tmp_path):
 @pytest.mark.slow  # ~35 s on 2 cores: compiles the decode step
 def test_profile_step_smoke_measures_both_step_kinds(tmp_path):
     """profile_step: a decode step and a mixed step through the compiled and the eager prefill were timed and
-    profiled; the prefill's GEMMs were found, and the eager step runs more operators than the compiled one."""
-    report = _smoke("profile_step.py", tmp_path, timeout=600, args=("--trace-dir", str(tmp_path / "traces")))
-    decode, compiled, eager = report["rows"]
-    assert [(r["step"], r["prefill"]) for r in report["rows"]] == [("decode", "-"), ("mixed", "compiled"),
-                                                                   ("mixed", "eager")]  # fmt: skip
+    profiled; the prefill's GEMMs were found, and the eager step runs more operators than the compiled one.
+    `--tuner-launch-at` adds each mixed step with the autotuned kernels launched through the tuner (the same
+    computation on CPU, where no Triton kernel runs)."""
+    args = ("--trace-dir", str(tmp_path / "traces"), "--tuner-launch-at", "16")
+    report = _smoke("profile_step.py", tmp_path, timeout=600, args=args)
+    decode, compiled, compiled_tuner, eager, eager_tuner = report["rows"]
+    assert [(r["step"], r["prefill"], r["launch"]) for r in report["rows"]] == [
+        ("decode", "-", "cached"), ("mixed", "compiled", "cached"), ("mixed", "compiled", "tuner"),
+        ("mixed", "eager", "cached"), ("mixed", "eager", "tuner")]  # fmt: skip
+    assert compiled_tuner["launches"] == compiled["launches"] and eager_tuner["launches"] == eager["launches"]
     assert all(r["ms"] > 0 for r in report["rows"])
     for mixed in (compiled, eager):
         assert mixed["gemm_ms"] > 0 and mixed["x_gemm"] >= 1 and mixed["launches"] > decode["launches"] > 0
