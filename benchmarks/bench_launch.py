@@ -7,7 +7,8 @@ Each op call is timed whole, in inference mode as the engine runs it: the custom
 and allocations, the tuner's lookup (or the remembered config's), and the kernel launch.
 
 - On a GPU the kernels launch for real; shapes are small, so a call is bound by its host path. Each round ends
-  with a device sync, and the per-call figure is the round's wall time over its calls.
+  with a device sync, and the per-call figure is the round's wall time over its calls. The same call replayed
+  from a CUDA graph (`graph_us`, no host path) gives the device's own time beside it.
 - On a machine without one the kernel modules are imported under the Triton interpreter. They run their GPU
   branch (GPU block sizes, the tuner) with each kernel's final `JITFunction.run` stubbed out, so what is timed is
   the host path alone, launch excepted. `ASTRAI_TRITON_AUTOTUNE=0` there: the tuner picks a config without
@@ -33,7 +34,7 @@ if not CUDA:  # before the kernel modules are imported: Triton reads it when a k
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["ASTRAI_TRITON_AUTOTUNE"] = "0"
 
-from _common import console, emit, table  # noqa: E402
+from _common import bench_ms, console, emit, table  # noqa: E402
 
 from astrai.triton_kernels import _launch, decode_attention, extend_attention  # noqa: E402
 
@@ -91,9 +92,10 @@ def run(args) -> dict:
                     times[launch].append(_round(op, kwargs, args.calls))
             _launch.CACHE_CONFIGS = cache_configs
             tuner, kept = (statistics.median(times[k]) for k in ("tuner", "remembered"))
+            graph = 1e3 * bench_ms(lambda op=op, kwargs=kwargs: op(**kwargs)) if CUDA else None
             rows.append({"op": name, "tuner_us": tuner, "tuner_range": [min(times["tuner"]), max(times["tuner"])],
                          "remembered_us": kept, "remembered_range": [min(times["remembered"]),
-                         max(times["remembered"])], "saved_us": tuner - kept})  # fmt: skip
+                         max(times["remembered"])], "saved_us": tuner - kept, "graph_us": graph})  # fmt: skip
     per_step = sum(r["saved_us"] for r in rows) * args.layers
     return {"benchmark": "bench_launch", "device": torch.cuda.get_device_name() if CUDA else "cpu",
             "kernel_launch": "real" if CUDA else "stubbed (interpreter import, GPU branch)", "dtype": args.dtype,
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     title = f"host time per op call, µs ({report['device']}, kernel launch {report['kernel_launch']})"
     console.print(table(title, report["results"], [("op", "s"), ("tuner_us", ".1f"), ("remembered_us", ".1f"),
-                                                   ("saved_us", ".1f")]))  # fmt: skip
+                                                   ("saved_us", ".1f"), ("graph_us", ".1f")]))  # fmt: skip
     console.print(f"saved per step of {args.layers} layers (both ops per layer): {report['saved_ms_per_step']:.3f} ms")
     emit(report, args.out)
     return 0
