@@ -2,9 +2,10 @@
 
 On CPU the kernels run under the Triton interpreter. The tuners here keep one config per key (a prune, or
 `ASTRAI_TRITON_AUTOTUNE=0`), so choosing a config runs no timing and the interpreter can run the whole path. On
-CPU the real launchers (split-KV decode, extend attention) also run their GPU branch, by telling their module it
-is not interpreting: same blocks and grid as on a GPU, through the tuner, checked against the plain-torch
-references (on a GPU every kernel test takes that branch).
+CPU the four real launchers (split-KV decode, extend attention, MLA decode, the MoE grouped GEMM) also run their GPU
+branch, by telling their module it is not interpreting: same blocks and grid as on a GPU, through the tuner,
+checked against the plain-torch references, alone and inside a tiny model's generation (on a GPU every kernel test
+takes that branch).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from astrai.triton_kernels import _launch, decode_attention, extend_attention
+from astrai.triton_kernels import _launch, decode_attention, extend_attention, fused_moe, mla_decode
 from astrai.triton_kernels._launch import TunedKernel
 from helpers import DEVICE, TOLERANCES, assert_close
 from tests.triton_kernels.test_extend_attention import make_batch
@@ -109,7 +110,9 @@ def gpu_branch(monkeypatch: pytest.MonkeyPatch):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the kernel tests run this branch")
     monkeypatch.setenv("ASTRAI_TRITON_AUTOTUNE", "0")
-    for module, name in ((decode_attention, "_decode_stage1_tuned"), (extend_attention, "_extend_attention_tuned")):
+    tuned = ((decode_attention, "_decode_stage1_tuned"), (extend_attention, "_extend_attention_tuned"),
+             (fused_moe, "_moe_gemm_tuned"), (mla_decode, "_mla_stage1_tuned"))  # fmt: skip
+    for module, name in tuned:
         kernel = getattr(module, name)
         monkeypatch.setattr(module, "interpreting", lambda: False)
         monkeypatch.setattr(kernel, "_configs", {})
@@ -149,3 +152,55 @@ def test_host_helpers_match_triton() -> None:
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 16, 64):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_generation_through_the_gpu_branch_equals_torch(gpu_branch, tmp_path, monkeypatch) -> None:
+    """A tiny model's greedy generation with the attention kernels on their GPU branch (tuned launch) matches the
+    torch backend; each tuner chose once per key, not once per layer or step."""
+    import astrai
+    from astrai.inference.generate import generate_ids
+    from helpers import save_hf, tiny_hf_model
+
+    model = astrai.load(save_hf(tiny_hf_model("qwen3", head_dim=16, num_hidden_layers=2), tmp_path))
+    prompts = [[3, 4, 5, 6, 7], [9] * 11, [100, 101]]
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "torch")
+    reference = generate_ids(model, prompts, max_tokens=6, stop_token_ids=[])
+    kernels = (decode_attention._decode_stage1_tuned, extend_attention._extend_attention_tuned)
+    runs = [_count_runs(monkeypatch, kernel.autotuner) for kernel in kernels]
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "triton")
+    assert generate_ids(model, prompts, max_tokens=6, stop_token_ids=[]) == reference
+    for kernel, count in zip(kernels, runs, strict=True):
+        assert count[0] == len(kernel.chosen()) >= 1
+
+
+def test_moe_generation_through_the_gpu_branch_equals_torch(gpu_branch, tmp_path, monkeypatch) -> None:
+    """The fused experts' grouped GEMM on its GPU branch (GPU tiles, tuned launch) in a MoE model's generation."""
+    import astrai
+    from astrai.inference.generate import generate_ids
+    from helpers import save_hf, tiny_hf_model
+
+    hf = tiny_hf_model("qwen3_moe", head_dim=16, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16)  # fmt: skip
+    model = astrai.load(save_hf(hf, tmp_path))
+    prompts = [[3, 4, 5, 6, 7], [9] * 11]
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "torch")
+    reference = generate_ids(model, prompts, max_tokens=5, stop_token_ids=[])
+    runs = _count_runs(monkeypatch, fused_moe._moe_gemm_tuned.autotuner)
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "triton")
+    assert generate_ids(model, prompts, max_tokens=5, stop_token_ids=[]) == reference
+    assert runs[0] == len(fused_moe._moe_gemm_tuned.chosen()) >= 1
+
+
+def test_mla_decode_through_the_tuned_launch(gpu_branch, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = mla_decode._mla_stage1_tuned
+    runs = _count_runs(monkeypatch, kernel.autotuner)
+    rank, rope_dim, page_size = 32, 16, 16
+    pages = torch.randperm(12).view(3, 4).to(torch.int32)
+    cache = torch.randn(12 * page_size, rank + rope_dim)
+    for lens in ([5, 40, 17], [64, 1, 0]):
+        q, seq_lens = torch.randn(3, 4, rank + rope_dim), torch.tensor(lens, dtype=torch.int32)
+        kw = dict(kv_lora_rank=rank, page_size=page_size, scale=0.15)
+        out = mla_decode.mla_decode(q, cache, pages, seq_lens, **kw)
+        ref = mla_decode.mla_decode_ref(q, cache, pages, seq_lens, **kw)
+        assert_close(out, ref, atol=TOLERANCES[torch.float32][0], msg=f"lens {lens}")
+    assert runs[0] == 1 and len(kernel.chosen()) == 1
