@@ -14,8 +14,9 @@ the same key go straight to the underlying kernel with the remembered config's k
 autotuner itself makes after its lookup. The key is the autotuner's own: the values of its `key` arguments and
 the dtypes of the tensor arguments, computed from positions worked out once.
 
-`ASTRAI_TRITON_TUNED_LAUNCH=0` (read at import; benchmarks flip `CACHE_CONFIGS`) sends every launch through the
-autotuner, for A/B timing. Configs with a `pre_hook` always go through it, since the hook must run per launch.
+`ASTRAI_TRITON_TUNED_LAUNCH=0` (or false / no / off; read at import, and benchmarks flip `CACHE_CONFIGS`) sends
+every launch through the autotuner, for A/B timing. Configs with a `pre_hook` always go through it, since the hook
+must run per launch.
 """
 
 from __future__ import annotations
@@ -26,9 +27,16 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["CACHE_CONFIGS", "TunedKernel"]
+__all__ = ["CACHE_CONFIGS", "TunedKernel", "switched_off"]
 
-CACHE_CONFIGS = os.environ.get("ASTRAI_TRITON_TUNED_LAUNCH", "1") != "0"
+
+def switched_off(value: str) -> bool:
+    """Whether an environment value turns a default-on switch off ("0", "false", "no", "off"; any case), as
+    `ASTRAI_CPU_KERNELS` reads."""
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
+CACHE_CONFIGS = not switched_off(os.environ.get("ASTRAI_TRITON_TUNED_LAUNCH", "1"))
 
 Grid = tuple[int, ...] | Callable[[dict], tuple[int, ...]]
 

@@ -95,6 +95,12 @@ def test_switched_off_every_launch_goes_through_the_tuner(monkeypatch: pytest.Mo
     assert runs[0] == 3 and not kernel.chosen()
 
 
+@pytest.mark.parametrize(("value", "off"), [("0", True), (" OFF", True), ("false", True), ("no", True),
+                                            ("1", False), ("", False), ("on", False), ("yes", False)])  # fmt: skip
+def test_the_switch_reads_like_the_other_switches(value: str, off: bool) -> None:
+    assert _launch.switched_off(value) is off
+
+
 def test_configs_with_a_pre_hook_always_go_through_the_tuner(monkeypatch: pytest.MonkeyPatch) -> None:
     hooked = []
     kernel = TunedKernel(_tuner(pre_hook=lambda args: hooked.append(args["n"])))
