@@ -110,6 +110,17 @@ def test_launch_smoke_reports_json(tmp_path):
     assert all(r["tuner_us"] > 0 and r["remembered_us"] > 0 for r in report["results"])
 
 
+@pytest.mark.slow  # ~12 s: compiles the decode step
+def test_step_bound_smoke_reports_json(tmp_path):
+    """bench_step_bound: astrai's compiled step and the whole-step prototype both timed, with roofline fractions
+    (or the run says why the prototype cannot run here)."""
+    report = _smoke("bench_step_bound.py", tmp_path, timeout=300)
+    if report.get("skipped"):
+        return
+    assert [r["arm"] for r in report["results"]] == ["astrai compiled", "whole-step prototype"]
+    assert all(r["ms"] > 0 and 0 < r["roofline"] < 1.5 for r in report["results"])
+
+
 def test_serve_smoke_reports_json(tmp_path):
     """bench_serve: the HTTP run (client in its own process) and the engine run both produced every token."""
     report = _smoke("bench_serve.py", tmp_path, timeout=300)
