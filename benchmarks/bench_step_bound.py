@@ -23,11 +23,11 @@ import argparse
 import ctypes
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from _common import console, emit, table
+from bench_forward import _timed, memory_bandwidth_gbs
 from profile_step import build
 
 from astrai.configs.models import NAMED
@@ -44,18 +44,6 @@ PAGE = 16
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm",
                                                       "k_cache", "v_cache")]  # fmt: skip
-
-
-def probe_gbs(buffer: torch.Tensor) -> float:
-    """Read bandwidth: the best of 3 timed sums of `buffer`."""
-    best = min(_seconds(buffer.sum) for _ in range(3))
-    return buffer.numel() * buffer.element_size() / best / 1e9
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def prototype(cfg, context: int, steps: int):
@@ -130,14 +118,13 @@ def run(args) -> dict:
         model = build(args.config, torch.bfloat16, "cpu")
         proto, _tensors = prototype(cfg, args.context, args.steps)  # the tensors stay alive while the C reads them
         arms = {"astrai compiled": compiled_astrai(model, args.context, args.steps), "whole-step prototype": proto}
-        buffer = torch.ones((256 if args.smoke else 1024) * 2**20 // 4)
         for fn in arms.values():  # compile, warm caches
             fn()
         rounds = {name: [] for name in arms}
         for _ in range(args.rounds):
             for name, fn in arms.items():
-                gbs = probe_gbs(buffer)
-                rounds[name].append((_seconds(fn) / args.steps * 1e3, gbs))
+                gbs = memory_bandwidth_gbs(256 if args.smoke else 1024, 3)  # bench_forward's paired probe
+                rounds[name].append((_timed(fn) / args.steps * 1e3, gbs))
     nbytes = weight_bytes(cfg)
     rows = []
     for name, pairs in rounds.items():
