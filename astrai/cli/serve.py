@@ -10,8 +10,10 @@ stay as aliases (`--max-running` for `--max-num-seqs`, `--max-step-tokens` for `
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ import tyro
 from astrai.cli._common import ModelArgs, console, fail, load_model, parse, run_guarded, served_name
 
 if TYPE_CHECKING:
-    from astrai.inference.engine import Engine
+    from astrai.inference.engine import Engine, EngineConfig
     from astrai.io.model import Model
 
 
@@ -177,16 +179,45 @@ def _prepare_grammar(engine: Engine) -> None:
         console.print(f"grammar engine ready ({time.perf_counter() - start:.1f} s)", highlight=False)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` as uvicorn binds one (IPv6 for a host with `:`), for uvicorn to listen on.
+
+    Bound before the model loads: a port that is taken fails in a second with an error naming it, not after
+    minutes of loading and compiling as uvicorn's own bind would; port 0 picks a free port.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's, no permission), with the address named.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        hint = "; another server may be running there: pass another --port" if err.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(cfg: ServeConfig) -> None:
-    """Load the model, build the app and run uvicorn until interrupted."""
+    """Bind the address, load the model, build the app and run uvicorn until interrupted."""
+    origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
+    engine_cfg = run_guarded(lambda: engine_config(cfg))
+    sock = run_guarded(lambda: listen_socket(cfg.host, cfg.port))
+    with sock:  # uvicorn closes its servers, not the socket; an early failure leaves it open too
+        _serve(cfg, sock, origins, engine_cfg)
+
+
+def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engine_cfg: EngineConfig) -> None:
+    """Load the model, start the engine, build the app and run uvicorn on `sock` until interrupted."""
     from astrai.inference.engine import Engine
     from astrai.inference.graphs import GraphCaptureError
     from astrai.models.encoder import EncoderConfig
     from astrai.serve.app import build_app
     from astrai.serve.server import ConnectionLimits, GracefulServer, logging_config, server_config, with_cors
 
-    origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
-    engine_cfg = run_guarded(lambda: engine_config(cfg))
+    port = sock.getsockname()[1]
     model = load_model(cfg)
     defaults = run_guarded(lambda: sampling_defaults(cfg.generation_config, model))
     # on CUDA the start compiles the decode step and captures its graphs: seconds to minutes for large models
@@ -214,12 +245,12 @@ def main(cfg: ServeConfig) -> None:
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""
-    console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{cfg.port}/v1  (OpenAI and Anthropic APIs{extra})")
+    console.print(f"serving [bold]{name}[/] on http://{cfg.host}:{port}/v1  (OpenAI and Anthropic APIs{extra})")
     limits = ConnectionLimits(header_timeout=cfg.header_timeout, keep_alive_timeout=cfg.keep_alive_timeout,
                               max_connections=cfg.max_connections)  # fmt: skip
-    config = server_config(app, limits, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.graceful_timeout,
+    config = server_config(app, limits, host=cfg.host, port=port, timeout_graceful_shutdown=cfg.graceful_timeout,
                            log_level=cfg.log_level, log_config=logging_config(cfg.log_level))  # fmt: skip
-    GracefulServer(config, engine).run()
+    GracefulServer(config, engine).run(sockets=[sock])
     if engine.fatal is not None:
         fail(f"the server stopped: {engine.fatal}")
 

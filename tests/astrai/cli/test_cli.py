@@ -186,6 +186,23 @@ def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkey
     monkeypatch.setattr(engine_mod, "Engine", failing_engine)
     monkeypatch.setattr(serve, "load_model", lambda *a: types.SimpleNamespace(generation_defaults={}))
     with pytest.raises(SystemExit) as exit_info:
-        serve.main(parse(serve.ServeConfig, ["--model", str(tmp_path)]))
+        serve.main(parse(serve.ServeConfig, ["--model", str(tmp_path), "--port", "0"]))
     assert exit_info.value.code == 2
     assert "batch 64 failed" in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(tmp_path):
+    """A port another process listens on is named in one `error:` line, at once: the model is not loaded first
+    (the folder here is not even a model), no "serving ..." line is printed and there is no traceback. Control:
+    the same command on a free port gets past the bind and fails on the folder instead."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "astrai.cli.main", "serve", str(tmp_path), "--port"]
+        busy = subprocess.run([*argv, str(port)], capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 2, busy.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in busy.stderr and "another --port" in busy.stderr, busy.stderr
+    assert "Traceback" not in busy.stderr + busy.stdout and "serving" not in busy.stdout
+    free = subprocess.run([*argv, "0"], capture_output=True, text=True, timeout=120)
+    assert free.returncode == 2 and "cannot listen" not in free.stderr and "config.json" in free.stderr, free.stderr
