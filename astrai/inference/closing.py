@@ -163,10 +163,18 @@ def _closer_token(tail: bytes, closers: tuple[bytes, ...], row: torch.Tensor, by
 
 def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"", closers: tuple[str, ...] = ()) -> list[int] | None:
     """The greedy closing path from `matcher`'s state (ending with EOS, or where the grammar stops), at most
-    `limit` tokens; None when it does not finish within `limit` (or the grammar allows nothing).
+    `limit` tokens; None when it does not finish within `limit`, or the matcher fails on the way (or already has).
 
     `prefix`: the output's text so far, to know whether the rollout starts inside a string or a number.
     `closers`: the strings that end the grammar's free-text regions (`GrammarSpec.closers`)."""
+    return rollout(matcher, limit, prefix, closers)[0]
+
+
+def rollout(matcher: Matcher, limit: int, prefix: bytes = b"",
+            closers: tuple[str, ...] = ()) -> tuple[list[int] | None, str | None, int]:  # fmt: skip
+    """`closing_path`, and why it found none: (path or None, llguidance's error if a copy of the matcher failed on
+    the way, else None; tokens rolled before it stopped). `grammar_check` reads the error (a grammar that fails on
+    its own shortest path is refused); a matcher already in an error state fails at once, with 0 tokens."""
     view = matcher.grammar.view
     prefs = _preferences(view)
     lexer = _Lexer()
@@ -177,23 +185,27 @@ def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"", closers: tup
     row = allocate_bitmask(1, view.vocab_size)
     path: list[int] = []
     while len(path) < limit:
+        if m.is_error():  # an errored matcher's mask allows EOS alone: that is no way to finish
+            return None, m.get_error(), len(path)
         if m.is_stopped():
-            return path
+            return path, None, len(path)
         m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if m.is_error():  # e.g. no token continues the output (an empty language), or a resource limit
+            return None, m.get_error(), len(path)
         eos = [t for t in view.eos_token_ids if t < view.vocab_size and (int(row[0, t >> 5]) >> (t & 31)) & 1]
         if eos:
-            return [*path, eos[0]]
+            return [*path, eos[0]], None, len(path)
         token = _closer_token(tail, ends, row[0], _by_bytes(view)) if ends and lexer.state != "string" else None
         token = prefs.best(lexer.state, row[0], view.vocab_size) if token is None else token
         if token is None:
-            return None
+            return None, None, len(path)
         path.append(token)
         data = view.token_bytes[token] if token < len(view.token_bytes) else b""
         lexer.feed(data)
         tail = (tail + data)[-max(map(len, ends)) :] if ends else b""
         if not m.consume_token(token):
-            return None
-    return None
+            return None, m.get_error() or "the grammar refused its own allowed token", len(path)
+    return None, None, len(path)
 
 
 class Steering:
@@ -235,6 +247,8 @@ class Steering:
             return None
         # past the budget too: the shortest is still best
         path = closing_path(matcher, remaining + WINDOW, prefix, closers)
+        if path is not None and not path:  # the grammar already stopped: nothing to force (the scheduler ends it)
+            return None
         if path is not None and path[0] in eos:  # complete as it stands
             self.path = []
             if self.shortest > 1 and remaining <= self.shortest + MARGIN:  # a further call would not fit: end here

@@ -7,10 +7,11 @@ delivers (`delivery.py`). With `EngineConfig.overlap_schedule` the step is launc
 the one before it collected, updated and delivered while it runs (docs/inference.md, "Overlap schedule"). This
 module owns only the threads, submission and validation; see docs/inference.md.
 
-A request with `SamplingParams.grammar` has it compiled in `submit`, on the caller's thread (`compile_grammar`,
-cached; a grammar that does not compile is an `EngineInputError` naming the spec's `param`, never an error in the
-step loop), against one llguidance view of the tokenizer built on first use; each of its n sequences gets its own
-matcher.
+A request with `SamplingParams.grammar` has it compiled and checked in `submit`, on the caller's thread
+(`compile_grammar`, cached; a grammar that does not compile or admits no complete output, `grammar_check`, is an
+`EngineInputError` naming the spec's `param`, never an error in the step loop), against one llguidance view of the
+tokenizer built on first use; each of its n sequences gets its own matcher. A sequence whose matcher still fails
+later (or whose host work raises) ends only its own request, with `RequestFailedError`; the engine goes on.
 
 RL rollouts (`astrai.train.rollout`): the engine serves the trainer's own tensors; after an optimizer step,
 `update_params()` drops every cached prefix (old weights' K/V); `update_params(tree)` swaps tensors, no copy.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import threading
 import time
@@ -35,9 +37,9 @@ from astrai.inference.budget import activation_headroom, kv_budget_for_utilizati
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.engine_config import EngineConfig, EngineStats
-from astrai.inference.errors import EngineInputError
+from astrai.inference.errors import EngineBusyError, EngineDeadError, EngineInputError, RequestFailedError
 from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
-from astrai.inference.grammar import compile_grammar as compile_source
+from astrai.inference.grammar_check import compile_checked
 from astrai.inference.handle import RequestHandle
 from astrai.inference.layout import layout_difference, served_model, should_fuse
 from astrai.inference.outputs import Completion, Delta
@@ -54,15 +56,9 @@ from astrai.models.decoder import DecoderParams
 from astrai.models.tp import tp_config
 from astrai.ops.attention import pages_needed
 
-__all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "EngineStats"]
+__all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "EngineStats", "RequestFailedError"]
 
-
-class EngineBusyError(RuntimeError):
-    """The waiting queue is full; retry later (servers answer 429 / 529)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an internal error; the message carries it."""
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -182,11 +178,13 @@ class Engine:
         `submit` calls it; the server calls it first on its worker pool, so `submit` finds it cached.
 
         Raises:
-            EngineInputError: `param` is `spec.param`: the grammar does not compile, or the model has no tokenizer.
+            EngineInputError: `param` is `spec.param`: the grammar does not compile, admits no complete output
+                (`grammar_check`: an empty language, or a matcher that fails on the way), or the model has no
+                tokenizer.
         """
         spec.check()
         try:
-            return compile_source(self._view(spec.param), grammar_source(spec))
+            return compile_checked(self._view(spec.param), grammar_source(spec), spec.closers)
         except GrammarError as err:
             raise EngineInputError(f"{spec.param}: {err}", param=spec.param) from None
 
@@ -331,6 +329,20 @@ class Engine:
             pending, self._pending = self._pending, None
             self._collect(*pending)
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine can serve no request any more (None while it can): its thread stopped after an error, a
+        tensor-parallel rank died, or it was shut down. The server's /health answers 503 with it."""
+        if self._error is not None:
+            return f"the engine stopped after an error: {self._error}"
+        if self.fatal is not None:
+            return self.fatal
+        if self._stop:
+            return "the engine was shut down"
+        if self._thread is not None and not self._thread.is_alive():
+            return "the engine thread is not running"
+        return None
+
     def stats(self) -> EngineStats:
         """Counters and KV usage (read without stopping the engine; may be one step stale)."""
         cached = self.radix.num_cached_pages if self.radix is not None else 0
@@ -451,8 +463,30 @@ class Engine:
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
-            if tracked.deliver(self.scheduler.finish):
+            failed = next((seq for seq in tracked.seqs if seq.error is not None), None)
+            if failed is not None:  # its grammar has no way forward: that request alone ends, with the reason
+                param = failed.params.grammar.param if failed.params.grammar is not None else None
+                self._fail_request(request_id, f"{param}: {failed.error}" if param else failed.error, param)
+                if failed.matcher is not None:
+                    failed.matcher.grammar.forget()  # the next request compiles it afresh
+                continue
+            try:
+                done = tracked.deliver(self.scheduler.finish)
+            except Exception:  # a bug in one request's detokenization or stop strings: not the others' problem
+                logger.exception("request %s: delivery failed; ending that request", request_id)
+                self._fail_request(request_id, "internal error while delivering this request's output", None)
+                continue
+            if done:
                 self._tracked.pop(request_id).complete(request_id)
+
+    def _fail_request(self, request_id: str, message: str, param: str | None) -> None:
+        """End one request with `RequestFailedError` after what it streamed: its unfinished sequences are aborted
+        (their KV freed); the engine goes on with the others."""
+        with self._cv:
+            tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            self.scheduler.abort(tracked.seqs)
+            tracked.handle.put(RequestFailedError(message, param=param))
 
     def _abort_now(self, request_id: str) -> None:
         with self._cv:

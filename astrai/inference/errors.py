@@ -1,10 +1,12 @@
-"""`EngineInputError`: a request the engine refuses, naming the request field at fault.
+"""`EngineInputError`: a request the engine refuses, naming the request field at fault; `RequestFailedError`: a
+request the engine ended with an error of its own while it kept serving the others.
 
 It is a `ValueError` (callers that catch ValueError keep working) with a `param` attribute: the field's name as
 the OpenAI API spells it (`temperature`, `max_tokens`, `n`, `logit_bias`, `prompt`, ...), so the server's 400
 can fill the error body's `param`. The message itself is unchanged and still names the field and the value.
 
-Not here: `EngineBusyError` and `EngineDeadError` (engine state, not bad input) live in `engine.py`.
+`EngineBusyError` and `EngineDeadError` (engine state, not bad input) are here too; `astrai.inference.engine`
+exports them all.
 """
 
 from __future__ import annotations
@@ -16,3 +18,26 @@ class EngineInputError(ValueError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestFailedError(RuntimeError):
+    """One request that the engine ended with an error while it went on serving the others.
+
+    Raised by the request's handle (after the deltas already delivered) when a sequence could not go on: its
+    grammar's matcher failed (no token can continue it, a parser resource limit) or the host work for that
+    sequence raised. The request's other sequences are aborted and its KV freed. `param` names the request field
+    whose constraint failed (the grammar's, e.g. `response_format`), or None when the failure was the server's own
+    (then logged with its traceback): servers answer 400 naming `param`, or 500.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineBusyError(RuntimeError):
+    """The waiting queue is full; retry later (servers answer 429 / 529)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error; the message carries it."""

@@ -109,7 +109,7 @@ class TokenizerView:
         self.ll, self.vocab_size, self.n_tokens, self.eos_token_ids = ll, vocab_size, n_tokens, eos
         self.words = (vocab_size + 31) // 32
         self.token_bytes = token_bytes
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._cache_size, self._lock = cache, threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
 
@@ -222,12 +222,23 @@ class Grammar:
     Attributes:
         view: the tokenizer view it was compiled for.
         source: the llguidance grammar text.
+        shortest: tokens of the complete output the admission check's rollout found from the start state (0: none
+            within its limit); None until `grammar_check.check_grammar` passed it (kept with the cached grammar).
     """
 
-    __slots__ = ("view", "source", "_pristine")
+    __slots__ = ("view", "source", "_pristine", "shortest")
 
     def __init__(self, view: TokenizerView, source: str, pristine: llguidance.LLMatcher) -> None:
         self.view, self.source, self._pristine = view, source, pristine
+        self.shortest: int | None = None
+
+    def forget(self) -> None:
+        """Drop this grammar from its view's cache, so that the next request compiles it afresh (after it failed
+        the admission check, or a sequence's matcher failed: llguidance's lazily built lexer, with its resource
+        limits, is shared by every copy of one compiled grammar)."""
+        with self.view._lock:
+            if self.view._cache.get(self.source) is self:
+                del self.view._cache[self.source]
 
 
 def compile_grammar(view: TokenizerView, source: str) -> Grammar:
@@ -242,18 +253,19 @@ def compile_grammar(view: TokenizerView, source: str) -> Grammar:
         raise GrammarError(f"the grammar (schema, tools or pattern) is {size:,} bytes; the limit is "
                            f"{MAX_GRAMMAR_BYTES:,}, which keeps its compilation under a second")  # fmt: skip
     with view._lock:
-        pristine = view._cache.get(source)
-        if pristine is not None:
+        grammar = view._cache.get(source)
+        if grammar is not None:
             view._cache.move_to_end(source)
-            return Grammar(view, source, pristine)
+            return grammar
     pristine = llguidance.LLMatcher(view.ll, source, log_level=0)  # releases the GIL while it compiles
     if pristine.is_error():
         raise GrammarError(pristine.get_error())
+    grammar = Grammar(view, source, pristine)
     with view._lock:
-        view._cache[source] = pristine
+        grammar = view._cache.setdefault(source, grammar)  # another thread's copy, if it was first
         while len(view._cache) > view._cache_size:
             view._cache.popitem(last=False)
-    return Grammar(view, source, pristine)
+    return grammar
 
 
 class Matcher:
@@ -336,6 +348,13 @@ def is_finished(matcher: Matcher) -> bool:
 def matcher_error(matcher: Matcher) -> str | None:
     """Why the matcher failed (llguidance's message, e.g. a parser resource limit), or None."""
     return matcher.ll.get_error() if matcher.ll.is_error() else None
+
+
+def error_summary(message: str) -> str:
+    """The first line of an llguidance error (the rest is a dump of the parser's state), in words where it is only
+    a name: "NoExtensionBias" is a state that no token can continue."""
+    line = message.strip().partition("\n")[0][:300]
+    return "no token can continue the output" if line == "NoExtensionBias" else line
 
 
 def bitmask_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from astrai.inference import closing
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
-from astrai.inference.grammar import allocate_bitmask, fill_bitmask_batch
+from astrai.inference.grammar import allocate_bitmask, error_summary, fill_bitmask_batch, matcher_error
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.layout import layout_difference
 from astrai.inference.plan import SampledToken, ScheduledSeq
@@ -155,6 +155,24 @@ def _steered_token(seq: Seq) -> int | None:
     near = window is not None and remaining <= window  # only then does steering read the text so far
     prefix = b"".join(view_bytes[t] for t in seq.outputs if t < len(view_bytes)) if near else b""
     return seq.steering.next_token(seq.matcher, produced, remaining, prefix, seq.params.grammar.closers)
+
+
+def _guarded_steering(seq: Seq) -> int | None:
+    """`_steered_token` for a row whose mask was just filled, failing only that sequence (`Seq.error`, which ends
+    it with "error" and its request with `RequestFailedError`) when its grammar has no way forward: the matcher
+    failed (llguidance's mask then allows only EOS, which would end the output as if it were complete), or the
+    steering raised. The step and every other sequence go on."""
+    why = matcher_error(seq.matcher)
+    if why is not None:
+        why = error_summary(why)
+        seq.error = f"the grammar reached a state with no way forward after {len(seq.outputs)} token(s): {why}"
+        return None
+    try:
+        return _steered_token(seq)
+    except Exception as err:  # a bug in the host work of one sequence must not end the engine thread
+        logger.exception("request %s: budget-aware closing failed; ending that request", seq.id)
+        seq.error = f"the grammar's host work failed after {len(seq.outputs)} token(s): {type(err).__name__}: {err}"
+        return None
 
 
 class ModelRunner:
@@ -374,7 +392,9 @@ class ModelRunner:
             mask[[j for j, s in enumerate(seqs) if s.matcher is None]] = -1
         fill_bitmask_batch(rows[0][0].grammar.view, rows, mask)
         for j, s in enumerate(seqs):  # budget-aware closing: near the end of its budget a row follows its path
-            token = _steered_token(s)
+            if s.matcher is None or s.error is not None:
+                continue
+            token = _guarded_steering(s)
             if token is not None:
                 mask[j] = 0
                 bit = 1 << (token & 31)

@@ -11,8 +11,9 @@ Each `schedule()` call builds one step:
 
 The scheduler is the only writer of a sequence's `status` and `finish_reason`: token-id stops, a finished grammar
 (the accepted token advances a constrained sequence's matcher; when nothing but EOS can follow, the sequence ends
-with "stop" at once, without sampling the EOS) and length end sequences in `update`, a stop string found by the
-engine's text stage ends one through `finish`, and a cancellation through `abort`.
+with "stop" at once, without sampling the EOS; a failed matcher ends it with "error"), and length end sequences in
+`update`, a stop string found by the engine's text stage ends one through `finish`, and a cancellation through
+`abort`.
 
 Pages are cached in the radix as soon as their K/V are fully computed (at prefill completion, on preemption
 and at finish), so concurrent requests with a shared prefix and the n > 1 siblings of a request reuse them.
@@ -25,7 +26,7 @@ from collections import deque
 
 import attrs
 
-from astrai.inference.grammar import accept, is_finished, matcher_error
+from astrai.inference.grammar import accept, error_summary, is_finished, matcher_error
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
@@ -249,12 +250,18 @@ class Scheduler:
     @staticmethod
     def _grammar_stop(seq: Seq, token: int) -> str | None:
         """Advance a constrained sequence's matcher by `token`: "stop" once the grammar is finished, else the usual
-        check. The sampler only draws allowed tokens, so a refused one means a broken matcher (a parser limit):
-        the sequence stops rather than emit text the grammar forbids."""
-        if not accept(seq.matcher, token):
-            logger.warning("request %s: the grammar refused token %d (%s); stopping the sequence", seq.id, token,
-                           matcher_error(seq.matcher) or "not allowed")  # fmt: skip
-            return "stop"
+        check. The sampler only draws allowed tokens, so a refused one means a broken matcher (a parser limit, or
+        a state no token continues): the sequence ends with "error" (`Seq.error` says why; its request fails
+        alone), never "stop", since its output does not satisfy the grammar. So does one whose runner found its
+        matcher failed before sampling (`Seq.error` already set)."""
+        if seq.error is not None:
+            return "error"
+        if not accept(seq.matcher, token) or matcher_error(seq.matcher) is not None:
+            why = matcher_error(seq.matcher)
+            seq.error = (f"the grammar refused token {token} after {len(seq.outputs) - 1} token(s): "
+                         f"{error_summary(why) if why else 'not allowed'}")  # fmt: skip
+            logger.warning("request %s: %s; ending the request", seq.id, seq.error)
+            return "error"
         return "stop" if is_finished(seq.matcher) else seq.check_stop()
 
     def finish(self, seq: Seq, reason: str) -> None:

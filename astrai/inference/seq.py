@@ -61,9 +61,12 @@ class Seq:
         in_flight: tokens scheduled to be sampled whose value has not reached `outputs` yet (see the module).
         prompt_cached: the prompt's K/V was computed and offered to the prefix cache (n > 1 followers wait for it).
         status: waiting / running / finished (written by the scheduler only).
-        finish_reason: "stop", "length" or "abort" once finished (written by the scheduler only).
+        finish_reason: "stop", "length", "abort" or "error" once finished (written by the scheduler only).
         leader: for n > 1, the sequence whose prefill the others wait for (so they hit its cached prompt).
         matcher: the grammar matcher of a constrained sequence (its own copy; None when unconstrained).
+        error: why the sequence cannot go on (its matcher failed, or its host work raised), set by the runner or
+            the scheduler; the scheduler then ends it with "error" and the engine fails its request alone
+            (`RequestFailedError`).
     """
 
     id: str
@@ -87,6 +90,7 @@ class Seq:
     num_preemptions: int = 0
     matcher: Matcher | None = None
     steering: Steering | None = None  # budget-aware closing of a constrained sequence (created on first use)
+    error: str | None = None
     _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
     _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
     _output_synced: int = attrs.field(default=0, init=False, repr=False)

@@ -131,6 +131,11 @@ class Guard:
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
         if scope["method"] == "POST" and media != "application/json":
             return APIError(415, f"POST bodies must be JSON sent as Content-Type: application/json, not {media!r}")
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if scope["method"] == "POST" and encoding not in ("", "identity"):
+            return APIError(
+                415, f"Content-Encoding {encoding[:40]!r} is not supported: send the JSON body uncompressed"
+            )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
             return APIError(413, f"the request body has {length} bytes; the limit is {self.state.max_body_bytes}")
@@ -179,19 +184,32 @@ async def _answer_early(response: Response, scope: Scope, receive: Receive, send
 
 def _basic_routes(state: ServerState) -> list[Route]:
     async def health(request: Request) -> Response:
-        stats = state.engine.stats()
-        return JSONResponse({"status": "ok", "model": state.model_name, "running": stats.running,
-                             "waiting": stats.waiting})  # fmt: skip
+        # 503 once the engine thread stopped (every generation request fails until a restart): an orchestrator's
+        # liveness probe then restarts the server
+        stats, down = state.engine.stats(), state.engine.unavailable
+        body = {"status": "ok" if down is None else "error", "model": state.model_name, "running": stats.running,
+                "waiting": stats.waiting}  # fmt: skip
+        return JSONResponse(body if down is None else {**body, "error": down}, status_code=200 if down is None else 503)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(state.metrics.render(state.engine.stats()), media_type="text/plain; version=0.0.4")
+        text = state.metrics.render(state.engine.stats(), up=state.engine.unavailable is None)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai"}
 
     async def models(request: Request) -> Response:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai"}
         return JSONResponse({"object": "list", "data": [card]})
 
+    async def model(request: Request) -> Response:
+        # OpenAI's "retrieve model": the card of the served model, 404 in OpenAI's shape for any other id
+        name = request.path_params["name"]
+        if name != state.model_name:
+            raise APIError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse(card)
+
     return [Route("/health", route(openai_error, health)), Route("/metrics", route(openai_error, metrics)),
-            Route("/v1/models", route(openai_error, models))]  # fmt: skip
+            Route("/v1/models", route(openai_error, models)),
+            Route("/v1/models/{name:path}", route(openai_error, model))]  # fmt: skip
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -26,7 +26,7 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from astrai.inference.engine import Engine, EngineBusyError, EngineDeadError
+from astrai.inference.engine import Engine, EngineBusyError, EngineDeadError, RequestFailedError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
@@ -161,12 +161,26 @@ async def _abort_on_disconnect(request: Request, handle: RequestHandle) -> None:
             return
 
 
+def engine_error(err: EngineDeadError | RequestFailedError) -> APIError:
+    """The API error of a request the engine ended: 400 naming the field whose constraint failed (its grammar
+    reached a state with no way forward), 500 for a failure of the server's own (the engine logged it), 503 once the
+    engine itself stopped (every request fails until a restart; /health says so too)."""
+    if isinstance(err, EngineDeadError):
+        return APIError(503, str(err), type="server_error")
+    if err.param is None:
+        return APIError(500, str(err), type="server_error")
+    return APIError(400, str(err), param=err.param)
+
+
 async def deltas(request: Request, handle: RequestHandle) -> AsyncIterator[Delta]:
-    """Iterate a request's deltas; the request is aborted if the client disconnects or the consumer stops."""
+    """Iterate a request's deltas; the request is aborted if the client disconnects or the consumer stops. A
+    request the engine ended with an error raises its `engine_error` (an APIError)."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
     try:
         async for delta in handle:
             yield delta
+    except (EngineDeadError, RequestFailedError) as err:
+        raise engine_error(err) from None
     finally:
         watcher.cancel()
         if handle.completion is None:
@@ -264,8 +278,8 @@ async def _guarded(events: AsyncIterator[str], request: Request, render_error: C
     try:
         async for event in events:
             yield event
-    except Exception:  # the 200 went out: report in-band, in the API's stream error shape
-        body = json.loads(render_error(internal_error(request)).body)
+    except Exception as err:  # the 200 went out: report in-band, in the API's stream error shape
+        body = json.loads(render_error(err if isinstance(err, APIError) else internal_error(request)).body)
         yield sse(body, "error" if body.get("type") == "error" else None)  # Anthropic: `event: error`
     finally:
         if hasattr(events, "aclose"):

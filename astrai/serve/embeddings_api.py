@@ -29,9 +29,13 @@ from starlette.routing import Route
 from astrai.inference.embed import check_ids, embed_ids
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error
+from astrai.serve.sampling_fields import check_fields
 from astrai.serve.state import ServerState
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
+"""OpenAI's embeddings fields (`user` is accepted and unused); any other is a 400 naming it, as on the other
+routes, so a misspelt field is not silently ignored."""
 _FORMATS = ("float", "base64")
 
 
@@ -75,6 +79,7 @@ def _inputs(state: ServerState, value: Any) -> list[list[int]]:
 
 def parse_embeddings(state: ServerState, body: dict) -> EmbeddingRequest:
     """Validate a /v1/embeddings body; raises APIError 400 naming the offending field."""
+    check_fields(body, FIELDS, {})
     if body.get("dimensions") is not None:
         raise _bad("dimensions", "dimensions is not supported by this server: vectors have the model's hidden size")
     if not isinstance(body.get("model", ""), str):

@@ -103,13 +103,14 @@ class Metrics:
                 self.generated_tokens += len(delta.token_ids)
             yield delta
 
-    def render(self, stats: EngineStats) -> str:
-        """The exposition text."""
+    def render(self, stats: EngineStats, *, up: bool = True) -> str:
+        """The exposition text; `up`: whether the engine can still serve (`astrai_engine_up`, as /health's 200)."""
         requests = (f'astrai_requests_total{{endpoint="{escape_label(endpoint)}",status="{status}"}} {n}'
                     for (endpoint, status), n in sorted(self.requests.items()))  # fmt: skip
         lines = _family("astrai_requests_total", "counter",
                         "HTTP requests by endpoint (a route's path, or other) and status.", requests)  # fmt: skip
         scalars = [
+            ("astrai_engine_up", "gauge", "1 while the engine serves, 0 once it stopped (/health: 503).", int(up)),
             ("astrai_prompt_tokens_total", "counter", "Prompt tokens of generation requests.", self.prompt_tokens),
             ("astrai_generation_tokens_total", "counter", "Generated tokens.", self.generated_tokens),
             ("astrai_embedding_tokens_total", "counter", "Input tokens of embedding requests.", self.embedding_tokens),

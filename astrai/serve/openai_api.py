@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astrai.inference.engine import EngineDeadError
+from astrai.inference.engine import EngineDeadError, RequestFailedError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
@@ -91,17 +91,15 @@ def _stream_end(head: dict, handle: RequestHandle, include_usage: bool) -> list[
 
 def _error_event(err: APIError) -> str:
     # an error after the 200 header went out: the SDKs raise on an `error` object in the stream
-    return sse({"error": {"message": err.message, "type": err.type, "param": None, "code": None}})
+    return sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
 
 
 async def _engine_deltas(state: ServerState, request: Request, handle: RequestHandle, prompt_len: int
                          ) -> AsyncIterator[Delta]:  # fmt: skip
-    """The request's deltas, through the metrics, aborted on disconnect; a dead engine is a 503."""
-    try:
-        async for delta in state.metrics.observe(common.deltas(request, handle), prompt_len):
-            yield delta
-    except EngineDeadError as err:
-        raise APIError(503, str(err), type="server_error") from None
+    """The request's deltas, through the metrics, aborted on disconnect; a dead engine is a 503, a request the
+    engine ended with an error a 400 naming the failed constraint's field (`common.engine_error`)."""
+    async for delta in state.metrics.observe(common.deltas(request, handle), prompt_len):
+        yield delta
 
 
 async def _collect(state: ServerState, request: Request, handle: RequestHandle, prompt_len: int) -> Completion:
@@ -298,13 +296,13 @@ def _echo_only(state: ServerState, req: CompletionRequest, scores: list[PromptLo
 async def _completion_deltas(state: ServerState, request: Request, handles: list[RequestHandle],
                              req: CompletionRequest) -> AsyncIterator[tuple[int, Delta]]:  # fmt: skip
     """(prompt index, delta) of every prompt's request as they come, through the metrics; all are aborted on
-    disconnect; a dead engine is a 503."""
+    disconnect; a dead engine is a 503, a request the engine ended with an error a 400 (`common.engine_error`)."""
     sources = [state.metrics.observe(aiter(h), len(p.ids)) for h, p in zip(handles, req.prompts, strict=True)]
     try:
         async for k, delta in common.merged_deltas(request, handles, sources):
             yield k, delta
-    except EngineDeadError as err:
-        raise APIError(503, str(err), type="server_error") from None
+    except (EngineDeadError, RequestFailedError) as err:
+        raise common.engine_error(err) from None
 
 
 async def _completions(state: ServerState, request: Request) -> Response:

@@ -158,13 +158,13 @@ def test_serve_passes_its_flags_to_the_engine_the_app_and_uvicorn(gen_model_dir,
         def __init__(self, config, engine):
             pass
 
-        def run(self):
+        def run(self, sockets=None):
             pass
 
     monkeypatch.setattr(app_mod, "build_app", fake_build_app)
     monkeypatch.setattr(server_mod, "server_config", fake_server_config)
     monkeypatch.setattr(server_mod, "GracefulServer", FakeServer)
-    base = ["serve", str(gen_model_dir), "--no-compile", "--no-cuda-graphs"]
+    base = ["serve", str(gen_model_dir), "--no-compile", "--no-cuda-graphs", "--port", "0"]
     main([*base, "--api-key", "k", "--enable-log-requests", "--log-level", "debug", "--generation-config", "none",
           "--max-num-seqs", "3", "--seed", "7", "--max-model-len", "64", "--allowed-origins", "http://a"])  # fmt: skip
     main(base)

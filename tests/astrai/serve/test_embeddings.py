@@ -114,12 +114,19 @@ def test_token_id_inputs(live, client):
         ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
         ({"input": "hi", "dimensions": 8}, "dimensions"),
         ({"input": "hi", "model": 3}, "model"),
+        ({"input": "hi", "encodng_format": "float"}, "encodng_format"),  # misspelt: not silently ignored
     ],
 )
 def test_bad_fields_are_400_naming_the_field(live, body, param):
     resp = httpx.post(live[1] + "/v1/embeddings", json={"model": MODEL, **body}, headers=HEADERS)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_user_field_is_accepted(live, client):
+    # OpenAI's `user` (an end-user id for abuse monitoring) is part of the API: accepted, unused
+    resp = client.embeddings.create(input="hi", model=MODEL, encoding_format="float", user="u-1")
+    assert_close(_vectors(resp), _expected(live[0], ["hi"]), atol=1e-5)
 
 
 def test_dimensions_through_the_sdk(client):
@@ -162,7 +169,7 @@ def test_cli_flags_enable_the_route(live, monkeypatch):
         def __init__(self, config, engine):
             built.append((config.app, engine))
 
-        def run(self):
+        def run(self, sockets=None):
             pass
 
     monkeypatch.setattr(cli, "load_model", lambda *a: live[0])
@@ -172,7 +179,7 @@ def test_cli_flags_enable_the_route(live, monkeypatch):
         (["--model", "m", "--embeddings", "--embed-pooling", "cls", "--no-embed-normalize"],
          EncoderConfig(pooling="cls", normalize=False)),
     ]:  # fmt: skip
-        cli.main(parse(cli.ServeConfig, [*argv, "--no-compile"]))
+        cli.main(parse(cli.ServeConfig, [*argv, "--no-compile", "--port", "0"]))
         app, engine = built.pop()
         engine.shutdown()
         assert app.state.embeddings == expected
