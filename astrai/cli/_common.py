@@ -137,7 +137,7 @@ def load_model(args: ModelArgs) -> Model:
     from astrai.io.model import load, resolve_device
 
     template = None if args.chat_template is None else run_guarded(lambda: read_chat_template(args.chat_template))
-    chosen = resolve_device(args.device)
+    chosen = run_guarded(lambda: resolve_device(args.device))  # an unusable device: one error line
     if args.tensor_parallel_size > 1:  # the engine shards the CPU copy and moves each shard to its rank's device
         from astrai.inference.tp import tp_devices
 

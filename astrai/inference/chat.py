@@ -26,6 +26,27 @@ def _is_conversation(messages: Any) -> bool:
     return isinstance(messages, Sequence) and not isinstance(messages, str) and bool(messages)
 
 
+def check_message(message: Any, where: str) -> None:
+    """Raise ValueError unless `message` is a chat message: a dict with a string `role` and a `content` that is a
+    string or a list of content parts (null or absent only beside `tool_calls`, an assistant's call turn).
+
+    Templates read both keys; without the check a missing one surfaces as a jinja error about a `dict object`.
+    """
+    if not isinstance(message, Mapping):
+        raise ValueError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        got = "no 'role'" if role is None else f"role {role!r}"
+        raise ValueError(f"{where} needs a 'role' string such as 'user' or 'assistant', got {got}")
+    content = message.get("content")
+    if content is None and message.get("tool_calls") is None:
+        raise ValueError(f"{where} (role {role!r}) has no 'content' (only an assistant message with 'tool_calls' "
+                         "may leave it out)")  # fmt: skip
+    if content is not None and not isinstance(content, str | list | tuple):
+        raise ValueError(f"{where} 'content' must be a string or a list of content parts, got "
+                         f"{type(content).__name__}")  # fmt: skip
+
+
 def chat(
     model: Model,
     messages: Sequence[Message] | Sequence[Sequence[Message]],
@@ -65,8 +86,9 @@ def chat(
         order for a list of conversations.
 
     Raises:
-        ValueError: no tokenizer or no chat template, an empty conversation, the template rejected the
-            conversation, or a prompt plus `max_tokens` longer than the model's context.
+        ValueError: no tokenizer or no chat template, an empty conversation, a message without a string `role`
+            or without `content` (`check_message`), the template rejected the conversation or failed
+            (`ChatTemplateError`), or a prompt plus `max_tokens` longer than the model's context.
     """
     if model.tokenizer is None:
         raise ValueError("this model has no tokenizer (no tokenizer.json in its folder): use astrai.generate_ids")
@@ -81,6 +103,8 @@ def chat(
     for i, conversation in enumerate(conversations):
         if not _is_conversation(conversation) or not all(isinstance(m, Mapping) for m in conversation):
             raise ValueError(f"conversation {i} must be a non-empty list of message dicts")
+        for j, message in enumerate(conversation):
+            check_message(message, f"message {j}" if single else f"conversation {i} message {j}")
         ids.append(model.tokenizer.encode_chat(conversation, tools=tools, chat_template=chat_template, **kwargs))
     params = _params(max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids)
     texts = [c.outputs[0].text for c in _run(model, ids, params)]

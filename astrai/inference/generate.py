@@ -15,7 +15,10 @@ vLLM's chat route do.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+
+import torch
 
 from astrai.inference import engine_cache
 from astrai.inference.outputs import Completion
@@ -26,19 +29,44 @@ from astrai.io.model import Model
 def _prompt_ids(
     model: Model, prompts: str | Sequence[str | Sequence[int]], add_special_tokens: bool
 ) -> list[list[int]]:
+    """Token ids per prompt; a ValueError names the prompt that is neither text nor a list of integer ids."""
     if isinstance(prompts, str):
         prompts = [prompts]
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string, a list of strings or a list of token-id lists, got "
+                         f"{type(prompts).__name__}")  # fmt: skip
     if not prompts:
         raise ValueError("no prompts given")
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if isinstance(p, str):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
             out.append(model.tokenizer.encode_prompt(p, add_special_tokens=add_special_tokens))
-        else:
-            out.append([int(t) for t in p])
+            continue
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, Sequence) or isinstance(p, bytes):
+            hint = " (one prompt's ids go in a list of their own: [[1, 2, 3]], not [1, 2, 3])" if _is_id(p) else ""
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}{hint}")
+        bad = next((t for t in p if not _is_id(t)), None)
+        if bad is not None:
+            raise ValueError(f"prompts[{i}] holds {bad!r}, not an integer token id")
+        out.append([operator.index(t) for t in p])
     return out
+
+
+def _is_id(value: object) -> bool:
+    """An int (or numpy integer), not a bool: `int()` would turn "5" and 5.7 into ids silently."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -84,6 +112,11 @@ def generate(
     Returns:
         the completion text per prompt (special tokens left out), in prompt order; a single string prompt gives
         a one-element list.
+
+    Raises:
+        ValueError: a prompt that is neither text nor a list of integer ids (named by its index; a flat list of
+            ids is one prompt too few brackets), ids outside the vocabulary, or a prompt plus `max_tokens` longer
+            than the model's context.
     """
     if model.tokenizer is None:
         raise ValueError("this model has no tokenizer: use generate_ids with token-id prompts")

@@ -1,7 +1,8 @@
 """Chat templates: render Hugging Face jinja2 chat templates exactly as transformers does.
 
 A chat template is untrusted code shipped with a checkpoint (a jinja2 program in ``tokenizer_config.json`` or
-``chat_template.jinja``). We render it in jinja2's ``ImmutableSandboxedEnvironment`` with the same environment
+``chat_template.jinja``). We render it in jinja2's ``ImmutableSandboxedEnvironment``, with resource limits added
+(``astrai.io.template_limits``: value sizes, loop iterations and output per render), and the same environment
 transformers builds in ``transformers.utils.chat_template_utils`` (``trim_blocks``, ``lstrip_blocks``,
 ``loopcontrols``; a ``tojson`` filter that does not HTML-escape; the globals ``raise_exception``,
 ``strftime_now``, a restricted ``dict`` and ``namespace``; a no-op ``{% generation %}`` tag) and prepare the
@@ -16,6 +17,10 @@ tokenizer can encode them as plain text (``Tokenizer.encode_chat``).
 Not here: callables as tools (transformers turns a Python function's docstring into a JSON schema; pass the
 schema yourself), assistant-token masks (``{% generation %}`` renders its body but tracks nothing) and batches of
 conversations. Tokenising the rendered text is ``astrai.io.tokenizer``'s job.
+
+Errors: any failure to compile or render a template (a syntax error, ``raise_exception``, a sandbox refusal, a
+resource limit, or a Python error inside the template such as an OverflowError) is one ``ChatTemplateError``, a
+ValueError carrying the template's message, so that callers (the server's 400 path) need to catch only that.
 
 Reference: https://huggingface.co/docs/transformers/main/en/chat_templating
 """
@@ -37,7 +42,9 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from astrai.io.errors import CheckpointError
+from astrai.io.template_limits import BoundedEnvironment, bounded_filter, check_value, counting
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
@@ -47,6 +54,10 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # transformers appends this to the final message for `continue_final_message` and cuts the render there.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed to compile or render; the message is the template's (or the limit it passed)."""
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -85,7 +96,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
+        jinja2.utils.Namespace.__setitem__(self, name, check_value(value, f"namespace attribute {name!r}"))
 
     @staticmethod
     def _check_name(name: Any) -> None:
@@ -108,15 +119,16 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in the sandboxed environment transformers uses (cached by template text).
+    """Compile a chat template in the sandboxed environment transformers uses (cached by template text), with
+    astrai's resource limits (`astrai.io.template_limits`).
 
     Raises:
-        ValueError: the template is not valid jinja2.
+        ChatTemplateError: the template is not a string or not valid jinja2.
     """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"a chat template must be a string, got {type(template).__name__}")
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = bounded_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -124,7 +136,9 @@ def compile_chat_template(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat template is not valid jinja2 (line {e.lineno}): {e.message}") from e
+        raise ChatTemplateError(f"chat template is not valid jinja2 (line {e.lineno}): {e.message}") from e
+    except Exception as e:  # noqa: BLE001 -- whatever jinja's compiler raises is the template's fault
+        raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}: {e}") from e
 
 
 def _plain(value: Any) -> Any:
@@ -224,8 +238,11 @@ def render_chat_template(
         The rendered prompt text.
 
     Raises:
-        ValueError: empty conversation, a template that calls ``raise_exception`` or otherwise fails (the
-            template's message is kept), non-dict tools, or an invalid ``continue_final_message`` request.
+        ChatTemplateError: (a ValueError) the template is not a string, does not compile, calls
+            ``raise_exception``, is refused by the sandbox, passes a resource limit, or fails in any other way
+            while rendering (the template's message is kept).
+        ValueError: empty conversation, non-dict tools, or an invalid ``continue_final_message`` request.
+        TypeError: a message or document that is not a dict.
     """
     if not messages:
         raise ValueError("cannot apply a chat template to an empty conversation")
@@ -236,21 +253,26 @@ def render_chat_template(
     if documents is not None and not all(isinstance(d, Mapping) for d in documents):
         raise TypeError("documents must be a list of dicts with 'title' and 'text' keys")
     chat = _normalize_messages(messages)
+    if not isinstance(template, str):  # before the cache: a dict is not even hashable
+        raise ChatTemplateError(f"a chat template must be a string, got {type(template).__name__}")
     compiled = compile_chat_template(template)
     final = None
     if continue_final_message:
         field = continue_final_message if isinstance(continue_final_message, str) else "content"
         final = _tag_final_message(chat, field, template)
     try:
-        rendered = compiled.render(
-            messages=chat,
-            tools=_plain(list(tools)) if tools is not None else None,
-            documents=_plain(list(documents)) if documents is not None else None,
-            add_generation_prompt=add_generation_prompt,
-            **_plain(variables),
-        )
+        with counting():
+            rendered = compiled.render(
+                messages=chat,
+                tools=_plain(list(tools)) if tools is not None else None,
+                documents=_plain(list(documents)) if documents is not None else None,
+                add_generation_prompt=add_generation_prompt,
+                **_plain(variables),
+            )
     except jinja2.TemplateError as e:
-        raise ValueError(f"chat template error: {e.message or e}") from e
+        raise ChatTemplateError(f"chat template error: {e.message or e}") from e
+    except Exception as e:  # noqa: BLE001 -- OverflowError, RecursionError, TypeError...: the template's fault
+        raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from e
     return _cut_at_continue_tag(rendered, final) if final is not None else rendered
 
 
@@ -377,18 +399,38 @@ def load_chat_templates(folder: str | Path, tokenizer_config: Mapping[str, Any])
 
     Returns:
         A single template string, a ``{name: template}`` dict when there are several, or None.
+
+    Raises:
+        CheckpointError: ``tokenizer_config.json``'s ``chat_template`` is neither a string, a list of
+            ``{"name": str, "template": str}`` nor null, or a template file is not UTF-8 (rendering would fail on
+            every request; the message names the file).
     """
     folder = Path(folder)
     files: dict[str, str] = {}
     if (folder / CHAT_TEMPLATE_FILE).is_file():
-        files["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        files["default"] = _read_template(folder / CHAT_TEMPLATE_FILE)
     extra_dir = folder / CHAT_TEMPLATE_DIR
     if extra_dir.is_dir():
         for path in sorted(extra_dir.glob("*.jinja")):
-            files[path.stem] = path.read_text(encoding="utf-8")
+            files[path.stem] = _read_template(path)
     if files:
         return files["default"] if list(files) == ["default"] else files
     value = tokenizer_config.get("chat_template")
+    where = f"{folder / 'tokenizer_config.json'}: chat_template"
     if isinstance(value, list):
+        for i, entry in enumerate(value):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):  # fmt: skip
+                raise CheckpointError(f"{where}[{i}] must be {{'name': str, 'template': str}}, got {entry!r:.80}")
         return {entry["name"]: entry["template"] for entry in value}
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(f"{where} must be a string, a list of {{'name', 'template'}} objects or null, got "
+                              f"{type(value).__name__} {value!r:.80}")  # fmt: skip
     return value
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: a chat template must be UTF-8 text ({e})") from None

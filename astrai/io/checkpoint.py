@@ -4,7 +4,10 @@ Loading reads `config.json`, then tensors from `model.safetensors` or the shards
 `model.safetensors.index.json`, one tensor at a time (memory-mapped; each is cast and moved before the next is
 read, so peak memory is the final model plus one tensor; MoE experts stored one tensor per expert are stacked
 into one [E, ...] tensor per layer, see `hf_parts`). Every problem raises `CheckpointError` naming the
-file and tensor: missing config, unsupported family, missing/unexpected/mis-shaped tensors, corrupt files.
+file and tensor: missing config, unsupported family, missing/unexpected/mis-shaped tensors, corrupt files, a
+config claiming more layers or experts than the weights hold (checked before the parameter tree is built),
+tensors stored in an integer dtype, and NaN or infinite weights (one float32 sum per tensor, whenever the load
+casts or moves the tensor: see `_check_finite`).
 
 Saving writes `config.json`, `model.safetensors` (HF names, loadable by transformers) and
 `generation_config.json` into a temporary folder that is fsynced and renamed into place, so an interrupted
@@ -13,12 +16,13 @@ save never leaves a half-written model where a good one was.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,12 +61,57 @@ def read_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model folder)")
+    data = read_json(path)
+    _check_layer_count(Path(folder), data.get("num_hidden_layers"), path)
     try:
-        return config_from_hf(read_json(path), source=str(path))
+        return config_from_hf(data, source=str(path))
     except CheckpointError:
         raise
     except ValueError as err:
         raise CheckpointError(str(err)) from None
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# the config.json key holding the routed-expert count, by family (qwen2_moe / qwen3_moe: num_experts)
+_EXPERTS_KEY = {"mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}
+
+
+def _stored_count(names: Iterable[str], pattern: re.Pattern[str]) -> int:
+    """1 + the largest index `pattern` finds in the tensor names (0 when it finds none)."""
+    return max((int(m.group(1)) for name in names if (m := pattern.search(name))), default=-1) + 1
+
+
+def _check_layer_count(folder: Path, layers: Any, config: Path) -> None:
+    """Refuse a config.json claiming more decoder layers than the weights hold, before anything is built.
+
+    Building the (meta) parameter tree costs time and memory per layer, so `num_hidden_layers: 1000000000` would
+    otherwise hang the load long before the tensor-by-tensor comparison. Fewer layers than stored is left to the
+    unexpected-tensor check (DeepSeek checkpoints store their MTP layers past the last decoder layer). A folder
+    without readable weights is skipped here: `load_params` reports that.
+    """
+    if isinstance(layers, bool) or not isinstance(layers, int):
+        return  # config_from_hf names the ill-typed field
+    try:
+        files = _weight_map(folder)
+    except CheckpointError:
+        return
+    stored = _stored_count(files, _LAYER)
+    if layers > stored:
+        raise CheckpointError(f"{config}: num_hidden_layers is {layers} but the weights hold {stored} decoder "
+                              f"layers (model.layers.0 to model.layers.{stored - 1})")  # fmt: skip
+
+
+def _check_counts(folder: Path, files: dict[str, Path], cfg: ModelConfig) -> None:
+    """The layer and routed-expert counts of `cfg` against the tensor names, before the parameter tree is built
+    (per layer and per expert work: a huge count in config.json must fail here, not hang)."""
+    _check_layer_count(folder, cfg.num_hidden_layers, folder / "config.json")
+    if cfg.moe is not None:
+        stored = _stored_count(files, _EXPERT)
+        if cfg.moe.num_experts > stored:
+            key = _EXPERTS_KEY.get(cfg.model_type, "num_experts")
+            raise CheckpointError(f"{folder / 'config.json'}: {key} is {cfg.moe.num_experts} but the weights hold "
+                                  f"{stored} experts per layer")  # fmt: skip
 
 
 def _weight_map(folder: Path) -> dict[str, Path]:
@@ -139,6 +188,7 @@ def load_params(
     folder = Path(folder)
     dtype = dtype or cfg.torch_dtype
     files = _weight_map(folder)
+    _check_counts(folder, files, cfg)
     expected = _expected_names(cfg)
     _check_unexpected(files, expected, cfg)
     tensors: dict[str, torch.Tensor] = {}
@@ -152,9 +202,14 @@ def load_params(
             if file not in handles:
                 handles[file] = stack.enter_context(_open(file))
             try:
-                return handles[file].get_tensor(hf_name), file
+                tensor = handles[file].get_tensor(hf_name)
             except SafetensorError as err:
                 raise CheckpointError(f"{file}: cannot read tensor {hf_name!r} ({err})") from None
+            if not tensor.dtype.is_floating_point:  # an integer tensor would be cast: silently wrong weights
+                kind = str(tensor.dtype).removeprefix("torch.")
+                raise CheckpointError(f"{file}: tensor {hf_name!r} is stored as {kind}; parameters must be stored "
+                                      "in a floating dtype (float32, bfloat16, float16)")  # fmt: skip
+            return tensor, file
 
         for name, shape in expected.items():
             parts, stacked = hf_parts(name, cfg)
@@ -172,8 +227,34 @@ def load_params(
                 raise CheckpointError(
                     f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config expects {shape}"
                 )
-            tensors[name] = tensor.to(device=device or "cpu", dtype=dtype)
+            tensors[name] = _check_finite(tensor, tensor.to(device=device or "cpu", dtype=dtype), hf_name, file)
     return from_named_tensors(init_params_meta(cfg), tensors)
+
+
+def _check_finite(stored: torch.Tensor, loaded: torch.Tensor, hf_name: str, file: Path) -> torch.Tensor:
+    """`loaded` (`stored` cast and moved), or a CheckpointError when it holds NaN or infinity.
+
+    Non-finite weights mean a corrupt or diverged checkpoint: every logit would be NaN. The check is one float32
+    sum per tensor on the target device (NaN and infinity propagate through it, so a finite sum means finite
+    values); only a non-finite sum, which finite values summing past float32's range also give, pays for the exact
+    elementwise count. It runs when the load copies the tensor anyway (a dtype cast or a move to another device),
+    where it adds ~6% on CPU and next to nothing on a GPU. A CPU load in the checkpoint's own dtype keeps the
+    memory-mapped tensors unread; there the check would be the load's only full read of the weights (2-4x its
+    time, and `astrai info` would read a whole 100 GB model), so it is skipped (docs/models.md, "Load-time checks").
+    """
+    if loaded is stored:
+        return loaded
+    if bool(torch.isfinite(loaded.sum(dtype=torch.float32))):
+        return loaded
+    bad = loaded.numel() - int(torch.isfinite(loaded).sum())
+    if not bad:
+        return loaded
+    where = f"{file}: tensor {hf_name!r}"
+    if loaded.dtype != stored.dtype and bool(torch.isfinite(stored).all()):
+        peak = float(stored.abs().max())
+        raise CheckpointError(f"{where} has values up to {peak:.3g}, beyond {str(loaded.dtype).removeprefix('torch.')}"
+                              "'s range: load it in a wider dtype (dtype='bfloat16' or 'float32')")  # fmt: skip
+    raise CheckpointError(f"{where} holds {bad} NaN or infinite values (of {loaded.numel()})")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -193,12 +274,67 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_dir(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp_dir)` then move tmp_dir to `out_dir`, replacing any previous folder only once complete."""
+MODEL_FOLDER_ENTRIES = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+    "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "additional_chat_templates",
+)  # fmt: skip
+"""Top-level entries of a HF model folder (what `astrai.save` writes, plus the weight, tokenizer and template
+files other HF writers put there): `astrai.save` replaces a folder holding only these, and refuses any other."""
+
+
+def _refuse_unless_replaceable(out: Path, replaces: Collection[str] | None, kind: str) -> None:
+    """Raise unless `out` is absent, an empty folder, or a folder of only `replaces` entries (None: any folder)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"refusing to write a {kind} to {out}: it exists and is a file, not a folder")
+    if replaces is None:
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatchcase(p.name, pat) for pat in replaces))
+    if foreign:
+        shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
+        raise FileExistsError(
+            f"refusing to replace {out} with a {kind}: it holds {shown}, which a {kind} does not and which would "
+            "be deleted (the whole folder is replaced); use a new or empty folder, or move those away first"
+        )
+
+
+def atomic_dir(
+    out_dir: str | Path,
+    write: Callable[[Path], None],
+    *,
+    replaces: Collection[str] | None = None,
+    kind: str = "folder",
+) -> Path:
+    """Run `write(tmp_dir)` in a hidden sibling temp folder, fsync it, then rename it to `out_dir`.
+
+    A previous folder at `out_dir` is swapped out only once the new one is complete, so an interrupted save keeps
+    it; on any failure the temp folder is removed and the previous folder is put back. Because the swap replaces
+    the whole folder, it is refused (before anything is written or moved) when `out_dir` is a file, or a folder
+    holding an entry that no pattern of `replaces` matches: a save must never delete unrelated user files.
+
+    Args:
+        out_dir: the folder to create or replace.
+        write: fills the temp folder.
+        replaces: glob patterns (`fnmatch`, case-sensitive) of the top-level entries a previous save of this kind
+            holds. None allows replacing any folder: only for folders the library names itself (training
+            checkpoints' `step_N`).
+        kind: what the folder is, for error messages ("model folder", "LoRA adapter folder", ...).
+
+    Raises:
+        FileExistsError: `out_dir` is a file, or a folder holding entries `replaces` does not allow.
+    """
     out = Path(out_dir).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _refuse_unless_replaceable(out, replaces, kind)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise NotADirectoryError(f"cannot write a {kind} to {out}: part of {out.parent} is a file") from None
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    old = None
     try:
         write(tmp)
         for file in tmp.rglob("*"):
@@ -206,17 +342,19 @@ def atomic_dir(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
         _fsync_dir(tmp)
-        old = None
+        _refuse_unless_replaceable(out, replaces, kind)  # again: the folder may have changed during the write
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(out, old)
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old, out)  # the new folder never arrived: put the previous one back
         raise
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out
 
 

@@ -10,7 +10,9 @@ spellings of RoPE settings are read; both are written. MoE experts are stored st
 per expert in HF files (`mlp.experts.j.gate_proj.weight`, mixtral `block_sparse_moe.experts.j.w1.weight`):
 `expert_hf_names` lists the per-expert names that `io/checkpoint.py` stacks on load and splits on save.
 
-Unsupported settings raise `UnsupportedModelError` naming the field instead of being silently ignored.
+Unsupported settings raise `UnsupportedModelError` naming the field instead of being silently ignored; invalid
+values (`rms_norm_eps: NaN`, `hidden_size: "32"`, an eos id outside the vocabulary) raise ValueError naming the key
+(`astrai.io.hf_checks`, then `astrai.models.config.check_config`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import attrs
 import cattrs
 
 from astrai.io.errors import UnsupportedModelError
+from astrai.io.hf_checks import check_hf_fields
 from astrai.io.hf_deepseek import DEEPSEEK_FAMILIES, deepseek_from_hf, deepseek_to_hf
-from astrai.models.config import DTYPES, ModelConfig, MoEConfig
+from astrai.models.config import DTYPES, ModelConfig, MoEConfig, check_config
 from astrai.nn.rope import ROPE_TYPES, RopeConfig
 
 ARCHITECTURES = {
@@ -56,11 +59,35 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
+def _strict_int(value: Any, _: type) -> int:
+    # cattrs' default int hook calls int(value): "32" would become 32 and 4.7 would become 4
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _strict_float(value: Any, _: type) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _strict_bool(value: Any, _: type) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+_converter.register_structure_hook(int, _strict_int)
+_converter.register_structure_hook(float, _strict_float)
+_converter.register_structure_hook(bool, _strict_bool)  # bool subclasses int: it would get the int hook
+
+
 def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    theta = params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+    theta = _or(_or(params.pop("rope_theta", None), d.get("rope_theta")), 10000.0)
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
     partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
@@ -87,7 +114,7 @@ def _layer_types(d: dict[str, Any], family: str, window: int | None) -> tuple[st
     if d.get("layer_types"):
         return tuple(d["layer_types"])
     if family in ("qwen2", "qwen3"):
-        first = d.get("max_window_layers", 28)
+        first = _or(d.get("max_window_layers"), 28)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(d["num_hidden_layers"]))
     return None
 
@@ -107,7 +134,13 @@ def _window(d: dict[str, Any], family: str) -> int | None:
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+    return tuple(value) if isinstance(value, list | tuple) else (value,)
+
+
+def _or(value: Any, default: Any) -> Any:
+    """`value` unless it is None (transformers' `x if x is not None else default`; `x or default` would turn an
+    invalid 0 into the default instead of reporting it)."""
+    return default if value is None else value
 
 
 def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
@@ -115,7 +148,8 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
 
     Raises:
         UnsupportedModelError: unknown `model_type` or an option astrai does not implement (named).
-        ValueError: a missing or ill-typed field (named, with `source`).
+        ValueError: a missing, ill-typed or out-of-range field (named, with `source`): `astrai.io.hf_checks`
+            for the keys on their own, `check_config` for the converted whole (e.g. eos ids within the vocabulary).
     """
     family = d.get("model_type")
     if family not in ARCHITECTURES:
@@ -125,6 +159,7 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
     missing = [key for key in _REQUIRED if d.get(key) is None]
     if missing:
         raise ValueError(f"{source}: missing required field(s) {missing}")
+    check_hf_fields(d, source)
     act = d.get("hidden_act", d.get("hidden_activation", "silu"))
     if act != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
@@ -149,10 +184,11 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
         "intermediate_size": d["intermediate_size"],
         "num_hidden_layers": d["num_hidden_layers"],
         "num_attention_heads": d["num_attention_heads"],
-        "num_key_value_heads": d.get("num_key_value_heads") or d["num_attention_heads"],
-        "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-        "max_position_embeddings": d.get("max_position_embeddings")
-        or _FAMILY_DEFAULTS[family]["max_position_embeddings"],
+        "num_key_value_heads": _or(d.get("num_key_value_heads"), d["num_attention_heads"]),
+        "head_dim": _or(d.get("head_dim"), d["hidden_size"] // d["num_attention_heads"]),
+        "max_position_embeddings": _or(
+            d.get("max_position_embeddings"), _FAMILY_DEFAULTS[family]["max_position_embeddings"]
+        ),
         "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
         "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
         "attention_bias": True if family == "qwen2" else bias,
@@ -179,6 +215,10 @@ def config_from_hf(d: dict[str, Any], *, source: str = "config.json") -> ModelCo
         cfg = _converter.structure(flat, ModelConfig)
     except cattrs.BaseValidationError as err:
         raise ValueError(f"{source}: {_describe(err)}") from None
+    try:
+        check_config(cfg)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
     return cfg
 
 

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -28,6 +29,8 @@ from astrai.nn.lora import ALL_LINEAR, LoRAAdapter, LoRAConfig, LoRAParams, targ
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FOLDER_ENTRIES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin")
+"""What PEFT adapter folders hold (README.md aside, a user file as likely): `save_lora` replaces only these."""
 _PEFT_PREFIX = "base_model.model."
 _PEFT_NAME = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
@@ -73,11 +76,15 @@ def save_lora(lora: LoRAParams, cfg: LoRAConfig, out_dir: str | Path, *, base_mo
     Args:
         lora: the adapters; their rank and scaling must agree with `cfg`.
         cfg: written as PEFT's `r`, `lora_alpha` and `target_modules`.
-        out_dir: folder to create or replace.
+        out_dir: folder to create, or a previous adapter folder to replace (one holding only adapter files:
+            anything else is refused, as the save replaces the whole folder).
         base_model: optional `base_model_name_or_path` for PEFT.
 
     Returns:
         The resolved folder.
+
+    Raises:
+        FileExistsError: `out_dir` is a file, or a folder holding entries an adapter folder does not (named).
     """
     if not lora:
         raise ValueError("no LoRA adapters to save")
@@ -97,7 +104,7 @@ def save_lora(lora: LoRAParams, cfg: LoRAConfig, out_dir: str | Path, *, base_mo
         save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         write_json(folder / ADAPTER_CONFIG, _peft_config(cfg, base_model))
 
-    return atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write, replaces=ADAPTER_FOLDER_ENTRIES, kind="LoRA adapter folder")
 
 
 # PEFT options that change the math; any non-default value is refused rather than silently ignored
@@ -126,12 +133,46 @@ def _config_from_peft(d: dict[str, Any], source: Path) -> LoRAConfig:
         if key not in d:
             raise CheckpointError(f"{source}: missing {key!r}")
     targets = d["target_modules"]
-    if isinstance(targets, str) and targets != ALL_LINEAR:
-        raise UnsupportedModelError(f"{source}: regex target_modules {targets!r} are not supported")
+    if not isinstance(targets, str) and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise CheckpointError(f"{source}: target_modules must be a list of module names or a regex, got {targets!r}")
+    # a list entry matches by its last name components (PEFT writes `model.layers.0.mlp.down_proj` as readily as
+    # `down_proj`): the projection names are the last components; a regex names them only once matched
+    names = ALL_LINEAR if isinstance(targets, str) else [t.rsplit(".", 1)[-1] for t in targets]
     try:
-        return LoRAConfig(r=d["r"], alpha=d["lora_alpha"], targets=targets)
+        return LoRAConfig(r=d["r"], alpha=d["lora_alpha"], targets=names)
     except (TypeError, ValueError) as err:
         raise UnsupportedModelError(f"{source}: {err}") from None
+
+
+def _peft_targeted(targeted: list[tuple[str, Any]], targets: str | list[str], source: Path) -> list[tuple[str, Any]]:
+    """The linears of `targeted` that PEFT's `target_modules` adapt, by PEFT's rule on the HF module names.
+
+    As `peft.tuners.tuners_utils.check_target_module_exists`: "all-linear" takes every projection; another string
+    is a regex the whole module name (`model.layers.0.self_attn.q_proj`) must match; a list entry matches a name
+    equal to it or ending in `.` + it (so `q_proj` takes every layer's, `model.layers.0.mlp.down_proj` one).
+    """
+    if targets == ALL_LINEAR:
+        return targeted
+    module = {path: _peft_name(path, "A").removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
+              for path, _ in targeted}  # fmt: skip
+    if isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as err:
+            raise CheckpointError(f"{source}: target_modules {targets!r} is not a valid regex ({err})") from None
+
+        def matches(name: str) -> bool:
+            return pattern.fullmatch(name) is not None
+    else:
+
+        def matches(name: str) -> bool:
+            return any(name == t or name.endswith(f".{t}") for t in targets)
+
+    chosen = [(p, lin) for p, lin in targeted if matches(module[p])]
+    if not chosen:
+        raise CheckpointError(f"{source}: target_modules {targets!r} match no projection of this model "
+                              f"(module names such as {next(iter(module.values()), '-')!r})")  # fmt: skip
+    return chosen
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
@@ -166,12 +207,15 @@ def load_lora(folder: str | Path, params: Any, *, dtype: torch.dtype | None = No
     for path in (config_path, weights_path):
         if not path.is_file():
             raise CheckpointError(f"{path}: file not found (expected a PEFT LoRA adapter folder)")
-    cfg = _config_from_peft(read_json(config_path), config_path)
+    peft_config = read_json(config_path)
+    cfg = _config_from_peft(peft_config, config_path)
     tensors = _read_tensors(weights_path)
     try:
-        targeted = targeted_linears(params, cfg)
+        targeted = _peft_targeted(targeted_linears(params, cfg), peft_config["target_modules"], config_path)
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from None
+    if isinstance(peft_config["target_modules"], str) and peft_config["target_modules"] != ALL_LINEAR:
+        cfg = attrs.evolve(cfg, targets=tuple({path.rsplit(".", 1)[-1] for path, _ in targeted}))
     expected = {_peft_name(path, f): path for path, _ in targeted for f in "AB"}
     for name in tensors:
         if name not in expected:

@@ -13,7 +13,15 @@ from typing import Any
 import attrs
 import torch
 
-from astrai.io.checkpoint import CheckpointError, atomic_dir, read_config, read_json, save_params, write_json
+from astrai.io.checkpoint import (
+    MODEL_FOLDER_ENTRIES,
+    CheckpointError,
+    atomic_dir,
+    read_config,
+    read_json,
+    save_params,
+    write_json,
+)
 from astrai.io.hub import resolve_model
 from astrai.io.tokenizer import Tokenizer
 from astrai.models.config import ModelConfig
@@ -102,6 +110,19 @@ def _eos_ids(folder: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> tup
     return tuple(dict.fromkeys(ids))
 
 
+def _check_eos_ids(folder: Path, ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+    """`ids`, or a CheckpointError for a stop id the model can never produce (or a non-integer one).
+
+    config.json's own ids are checked with the config; this catches generation_config.json's and the tokenizer's
+    eos_token, which the engine would otherwise wait for forever.
+    """
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise CheckpointError(f"{folder}: eos token id {i!r} (generation_config.json eos_token_id or the "
+                                  f"tokenizer's eos_token) is outside the vocabulary [0, {vocab_size})")  # fmt: skip
+    return ids
+
+
 # generation_config.json key -> (SamplingParams name, type, lowest value); the keys vLLM takes from the file
 _GENERATION_KEYS = {"temperature": ("temperature", float, 0.0), "top_p": ("top_p", float, 0.0),
                     "top_k": ("top_k", int, -1), "min_p": ("min_p", float, 0.0),
@@ -136,11 +157,64 @@ def read_generation_defaults(folder: str | Path) -> dict[str, Any]:
     return out
 
 
-def resolve_device(device: torch.device | str | None) -> torch.device | str | None:
-    """`device`, with "auto" resolved: CUDA when torch sees a GPU, else CPU (None stays None: the CPU default)."""
+def resolve_device(device: torch.device | str | int | None) -> torch.device | str | int | None:
+    """`device`, checked usable, with "auto" resolved: CUDA when torch sees a GPU, else CPU (None stays None).
+
+    Checked before any weight is read, so a CPU-only torch asked for "cuda" fails with one clear line instead of
+    torch's assertion from deep inside the load.
+
+    Raises:
+        ValueError: not a device name torch knows ("gpu"), or a device this torch build or machine lacks.
+    """
+    if device is None:
+        return None
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {device!r} is not a device name torch knows (use 'cpu', 'cuda', 'cuda:N' or "
+                         "'auto')") from None  # fmt: skip
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"device {str(device)!r} requested but CUDA is not available (use 'cpu' or 'auto')")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {str(device)!r} requested but only {count} CUDA device(s) are visible")
+    elif dev.type not in ("cpu", "meta"):
+        try:  # mps, xpu, ...: whether this build and machine have it
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as err:
+            raise ValueError(f"device {str(device)!r} is not available in this torch build or machine "
+                             f"({str(err).split('. ')[0]}); use 'cpu' or 'auto'") from None  # fmt: skip
     return device
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # the CLI's (vLLM's) spellings
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The parameter dtype `load` casts to, or None for the checkpoint's own.
+
+    Accepts a torch dtype, a name (`"bfloat16"`, `"torch.float16"`), the CLI's spellings `"half"` / `"float"`, and
+    `"auto"` (transformers' meaning: the checkpoint's dtype, as None).
+
+    Raises:
+        ValueError: anything else, e.g. torch.float64 or torch.int8 (the message lists the valid names).
+    """
+    from astrai.models.config import DTYPES
+
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        name = _DTYPE_ALIASES.get(name, name)
+        if name in DTYPES:
+            return DTYPES[name]
+    valid = sorted([*DTYPES, *_DTYPE_ALIASES, "auto"])
+    raise ValueError(f"dtype must be one of {valid} (or the torch dtype of one), got {dtype!r}")
 
 
 def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
@@ -150,45 +224,53 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
     Args:
         path: the model folder, or a Hugging Face model id (`Qwen/Qwen3-0.6B`) already in the local Hugging Face
             cache (`astrai.io.hub.resolve_model`: no network access, a message saying how to download it).
-        dtype: parameter dtype (torch dtype or name such as "bfloat16"); default: the checkpoint's.
-        device: where to put the parameters; default CPU; "auto": CUDA when available, else CPU.
+        dtype: parameter dtype: float32, bfloat16 or float16, as a torch dtype or a name ("bfloat16", and the
+            CLI's "half" / "float"); None or "auto": the checkpoint's.
+        device: where to put the parameters; default CPU; "auto": CUDA when available, else CPU; checked usable
+            before anything is read (`resolve_device`).
         revision: branch, tag or commit of a model id (default `main`).
         quantize: `"int8"`: int8 weight-only quantization of the projections, embedding and LM head, one scale
             per output row (`astrai.models.quantize`); activations and the KV cache stay in `dtype`.
 
     Raises:
-        CheckpointError: the folder is missing, unsupported, incomplete or corrupt (the message says which).
-        ValueError: an unknown `dtype` or `quantize` value.
+        CheckpointError: the folder is missing, unsupported, incomplete or corrupt (the message says which):
+            also a config.json value out of range (named), integer-typed or non-finite weights, or an eos id
+            outside the vocabulary.
+        ValueError: an unknown `dtype` or `quantize` value, or an unknown or unavailable `device`.
     """
     from astrai.io.checkpoint import load_params
     from astrai.models.config import DTYPES
 
     check_quantize(quantize)
+    dtype, device = resolve_dtype(dtype), resolve_device(device)  # before reading anything
     folder = resolve_model(path, revision)
     cfg = read_config(folder)
     defaults = read_generation_defaults(folder)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
-    params = load_params(folder, cfg, dtype=dtype, device=resolve_device(device))
+    params = load_params(folder, cfg, dtype=dtype, device=device)
     if quantize is not None:
         params = quantize_params(params, quantize)
     if dtype is not None:
         cfg = attrs.evolve(cfg, dtype=next(name for name, d in DTYPES.items() if d == dtype))
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
-    return Model(config=cfg, params=params, tokenizer=tokenizer, eos_token_ids=_eos_ids(folder, cfg, tokenizer),
-                 generation_defaults=defaults)  # fmt: skip
+    eos = _check_eos_ids(folder, _eos_ids(folder, cfg, tokenizer), cfg.vocab_size)
+    return Model(config=cfg, params=params, tokenizer=tokenizer, eos_token_ids=eos, generation_defaults=defaults)
 
 
 def save(model: Model, out_dir: str | Path) -> Path:
     """Write `model` as a HF-format folder that both `astrai.load` and transformers load; atomic.
+
+    `out_dir` may be new, empty, or a previous model folder, which is replaced once the new one is complete. The
+    save replaces the whole folder, so anything else is refused before a byte is written, naming what is in the
+    way: a file, or a folder holding entries other than HF model files (config.json, generation_config.json,
+    *.safetensors and their index, tokenizer and chat-template files: `astrai.io.checkpoint.MODEL_FOLDER_ENTRIES`)
+    such as a README.md, source files or subfolders. No user file is ever deleted.
 
     Returns:
         The absolute output path.
 
     Raises:
         ValueError: the model is int8-quantized (an inference-only form; save the float model instead).
+        FileExistsError: `out_dir` is a file, or a folder holding entries a model folder does not (named).
     """
     if model.quantization is not None:
         raise ValueError(f"this model's weights are {model.quantization}-quantized, an inference-only form: save "
@@ -207,4 +289,4 @@ def save(model: Model, out_dir: str | Path) -> Path:
         if model.tokenizer is not None:
             model.tokenizer.save(tmp)
 
-    return atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write, replaces=MODEL_FOLDER_ENTRIES, kind="model folder")

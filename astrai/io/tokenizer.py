@@ -299,7 +299,9 @@ class Tokenizer:
                 they override the special-token variables of the same name.
 
         Raises:
-            ValueError: no chat template, or the template rejected the conversation (its message is kept).
+            ValueError: no chat template.
+            ChatTemplateError: (a ValueError) the template failed to compile or render, rejected the conversation
+                or passed a resource limit (its message is kept; ``astrai.io.chat_template``).
         """
         text = self._render(messages, tools, chat_template, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -335,7 +337,8 @@ class Tokenizer:
                 special-token text in client strings becomes control tokens (the behaviour before this policy).
 
         Raises:
-            ValueError: no chat template, or the template rejected the conversation.
+            ValueError: no chat template, or the template failed or rejected the conversation
+                (``ChatTemplateError``, a ValueError).
         """
         marker = LiteralMarker(() if special_tokens_in_content else self.special_token_texts)
         messages, tools, prefill = marker.hide(list(messages)), marker.hide(tools), marker.hide(prefill)

@@ -10,6 +10,7 @@ HF `config.json` <-> ModelConfig conversion lives in `astrai/io/hf.py`.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import attrs
@@ -22,6 +23,8 @@ from astrai.nn.rope import ROPE_TYPES, RopeConfig
 __all__ = ["DTYPES", "MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig", "check_config"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The per-layer attention kinds astrai runs (transformers' `layer_types` names)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -118,8 +121,9 @@ def check_config(cfg: ModelConfig) -> None:
     positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"]
     positive += ["num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"]
     for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(cfg, name)}")
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ValueError(
             f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
@@ -127,6 +131,10 @@ def check_config(cfg: ModelConfig) -> None:
         )
     if cfg.head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {cfg.head_dim}")
+    _check_number("ModelConfig.rms_norm_eps", cfg.rms_norm_eps, positive=True)
+    _check_number("ModelConfig.initializer_range", cfg.initializer_range)
+    _check_rope(cfg.rope)
+    _check_token_ids(cfg)
     if cfg.dtype not in DTYPES:
         raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.rope.rope_type not in ROPE_TYPES:
@@ -140,6 +148,52 @@ def check_config(cfg: ModelConfig) -> None:
     _check_attn(cfg)
     if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
         raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")
+    unknown = sorted(set(cfg.layer_types or ()) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (supported: {LAYER_TYPES})")
+    window = cfg.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"ModelConfig.sliding_window must be a positive integer or None, got {window!r}")
+
+
+def _check_number(name: str, value: object, *, positive: bool = False) -> None:
+    """Raise ValueError unless `value` is a finite number, > 0 when `positive` (else >= 0)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def _check_rope(rope: RopeConfig) -> None:
+    """RoPE numbers that would give NaN or infinite frequencies (transformers only warns about some of them)."""
+    _check_number("rope theta (rope_theta)", rope.theta, positive=True)
+    _check_number("rope factor (rope_scaling.factor)", rope.factor, positive=True)
+    for name in ("low_freq_factor", "high_freq_factor"):
+        _check_number(f"rope_scaling.{name}", getattr(rope, name), positive=True)
+    if rope.rope_type == "llama3" and rope.high_freq_factor <= rope.low_freq_factor:
+        raise ValueError(f"rope_scaling.high_freq_factor ({rope.high_freq_factor}) must be greater than "
+                         f"low_freq_factor ({rope.low_freq_factor})")  # fmt: skip
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        value = getattr(rope, name)
+        if value is not None and not (isinstance(value, int | float) and math.isfinite(value)):
+            raise ValueError(f"rope_scaling.{name} must be a finite number, got {value!r}")
+    if rope.attention_factor is not None:
+        _check_number("rope_scaling.attention_factor", rope.attention_factor, positive=True)
+    original = rope.original_max_position_embeddings
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original <= 0):
+        raise ValueError(f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}")
+
+
+def _check_token_ids(cfg: ModelConfig) -> None:
+    """bos and eos ids within [0, vocab_size): an eos id the model cannot produce would never stop generation.
+
+    pad_token_id is only carried for config.json round trips (old Llama conversions store -1), so it is not
+    range-checked.
+    """
+    ids = [("bos_token_id", cfg.bos_token_id)] if cfg.bos_token_id is not None else []
+    ids += [("eos_token_id", i) for i in cfg.eos_token_id]
+    for name, value in ids:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < cfg.vocab_size:
+            raise ValueError(f"{name} {value!r} is outside the vocabulary [0, {cfg.vocab_size}) (vocab_size)")
 
 
 def _check_attn(cfg: ModelConfig) -> None:

@@ -127,7 +127,11 @@ def test_load_reports_bad_tensors_by_name(model, saved):
         ({"use_dora": True}, UnsupportedModelError, "'use_dora' = True is not supported"),
         ({"rank_pattern": {"q_proj": 8}}, UnsupportedModelError, "'rank_pattern'"),
         ({"target_modules": ["q_proj", "lm_head"]}, UnsupportedModelError, "LM head is never a LoRA target"),
-        ({"target_modules": ".*attn.*"}, UnsupportedModelError, "regex target_modules"),
+        ({"target_modules": ["c_attn"]}, UnsupportedModelError, "unknown LoRA target 'c_attn'"),
+        ({"target_modules": "model\\.(q_proj"}, CheckpointError, "is not a valid regex"),
+        ({"target_modules": r".*\.c_attn"}, CheckpointError, "match no projection of this model"),
+        ({"target_modules": 7}, CheckpointError, "must be a list of module names or a regex"),
+        ({"target_modules": r".*attn\.(q|k)_proj"}, CheckpointError, r"unexpected tensor .*v_proj\.lora_A\.weight'"),
         ({"r": 8}, CheckpointError, r"has shape \(4, 64\), expected \(8, 64\)"),
     ],
 )
