@@ -4,15 +4,18 @@ Each task is a module of `astrai.eval` with a `Config` (its flags, tyro subcomma
 `evaluate(cfg, model=None) -> Report`; this file only parses, runs the task with user errors turned into one
 `error:` line and exit status 2, and shows the report (rich table, then the JSON summary as the last stdout line,
 per-sample JSON lines to `--out`). The model may also be given as the first argument after the task
-(`astrai eval ppl MODEL --data F`), as `astrai generate MODEL` takes it.
+(`astrai eval ppl MODEL --data F`), as `astrai generate MODEL` takes it. `--out` is checked before the run: a
+folder, an input file (`--data`, ...) or a model file is refused (`astrai.eval.report.check_out`).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from types import ModuleType
 
+import attrs
 import tyro
 
 from astrai.cli._common import console, run_guarded
@@ -47,10 +50,16 @@ def model_positional_to_flag(args: list[str]) -> list[str]:
     return list(args)
 
 
+def input_paths(cfg: object) -> dict[str, Path]:
+    """The file flags of a task config (every Path-valued field but `out`), as `{"--data": path}`."""
+    fields = attrs.asdict(cfg, recurse=False) if attrs.has(type(cfg)) else {}
+    return {f"--{k.replace('_', '-')}": v for k, v in fields.items() if k != "out" and isinstance(v, Path)}
+
+
 def cli(args: list[str]) -> None:
     """Parse `args` (the words after `astrai eval`), run the task and show its report."""
     from astrai.eval.common import EvalConfig, check
-    from astrai.eval.report import show
+    from astrai.eval.report import check_out, show
 
     modules = tasks()
     cfg = tyro.extras.subcommand_cli_from_dict({name: m.Config for name, m in modules.items()},
@@ -58,6 +67,8 @@ def cli(args: list[str]) -> None:
     module = next(m for m in modules.values() if isinstance(cfg, m.Config))
     if isinstance(cfg, EvalConfig):
         run_guarded(lambda: check(cfg))
+    out = getattr(cfg, "out", None)
+    run_guarded(lambda: check_out(out, input_paths(cfg), getattr(cfg, "model", None)))
     report = run_guarded(lambda: module.evaluate(cfg))
     run_guarded(lambda: show(report, out=cfg.out, console=console))
 

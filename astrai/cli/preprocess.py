@@ -29,7 +29,8 @@ class PreprocessConfig:
     inputs: tuple[Path, ...] = ()
     """JSONL files or folders to read instead of the config's `inputs`."""
     overwrite: bool = False
-    """Replace an existing output folder (only once the new one is complete)."""
+    """Replace the output folder of a previous run (meta.json + shards only; a folder holding anything else, an
+    input or the tokenizer is refused), once the new one is complete."""
     progress: bool = True
     """Show a progress bar."""
 

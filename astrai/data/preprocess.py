@@ -4,7 +4,9 @@
 records per tokenizer call, buffers them in the kind's builder and writes a shard each time
 `max_tokens_per_shard` tokens are buffered. The whole output folder is written into a temporary sibling and
 renamed into place at the end, so a failed or interrupted run leaves no partial output (and keeps any
-previous one).
+previous one). Because that rename replaces the whole folder, an output folder that is or holds an input file
+or the tokenizer folder is refused, and `overwrite` replaces only a previous run's output (meta.json + shards):
+a folder holding anything else is refused, naming what it holds, before any work is done.
 
 Bad input never stops the run: a malformed line or record is skipped and counted by reason (bad_json,
 bad_encoding, not_an_object, missing_field, wrong_type, too_short, too_long, empty, no_trained_tokens,
@@ -27,11 +29,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from astrai.data.builders import Builder
 from astrai.data.config import DataConfig
 from astrai.data.render import RecordError, render_batch
-from astrai.data.shards import token_dtype, write_meta, write_shard
+from astrai.data.shards import META_FILE, token_dtype, write_meta, write_shard
 from astrai.io.checkpoint import atomic_dir
 from astrai.io.tokenizer import Tokenizer
 
 SAMPLES_PER_REASON = 3
+OUTPUT_ENTRIES = (META_FILE, "shard_*")
+"""What an output folder holds: `overwrite` replaces a folder of only these (a previous run's output)."""
 
 
 @attrs.define
@@ -78,6 +82,22 @@ def input_files(inputs: tuple[str, ...]) -> list[Path]:
         else:
             raise FileNotFoundError(f"input {path} does not exist")
     return files
+
+
+def check_output(out: Path, files: list[Path], tokenizer_dir: str | None) -> None:
+    """Refuse an output folder that is, or lies above, an input file or the tokenizer folder: the run replaces
+    the whole output folder, which would delete them.
+
+    Raises:
+        ValueError: naming the output and the input or tokenizer it would delete.
+    """
+    target = out.resolve()
+    named = [(f, "input") for f in files] + ([(Path(tokenizer_dir), "tokenizer folder")] if tokenizer_dir else [])
+    for path, what in named:
+        resolved = path.resolve()
+        if resolved == target or target in resolved.parents:
+            raise ValueError(f"output folder {out} is or holds the {what} {path}, and writing the output replaces "
+                             "the whole folder; choose another output folder")  # fmt: skip
 
 
 def read_jsonl(path: Path, report: Report) -> Iterator[tuple[str, dict[str, Any], int]]:
@@ -211,15 +231,18 @@ def preprocess(
     Args:
         cfg: a validated config (see `astrai.data.config.load_config`).
         tokenizer: use this tokenizer instead of loading `cfg.tokenizer`.
-        overwrite: replace an existing output folder (only once the new one is complete).
+        overwrite: replace an existing output folder of a previous run (meta.json + shards only), once the new
+            one is complete.
         progress: show a rich progress bar.
 
     Returns:
         The run's counts (also stored under "counts" in meta.json).
 
     Raises:
-        ValueError: no tokenizer or output given, the output exists without `overwrite`, a pretrain tokenizer
-            without EOS, a missing chat template, or no usable record at all.
+        ValueError: no tokenizer or output given, the output exists without `overwrite`, the output is or holds
+            an input or the tokenizer, a pretrain tokenizer without EOS, a missing chat template, or no usable
+            record at all.
+        FileExistsError: with `overwrite`, the output is a file or holds entries other than meta.json + shards.
         FileNotFoundError: a missing input or tokenizer folder.
     """
     if cfg.output is None:
@@ -237,6 +260,7 @@ def preprocess(
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"output folder {out} exists and is not empty (pass --overwrite to replace it)")
     files = input_files(cfg.inputs)
+    check_output(out, files, cfg.tokenizer)
     report = Report()
 
     def write(folder: Path) -> None:
@@ -245,5 +269,5 @@ def preprocess(
         _write(folder, run, files, progress)
         write_meta(folder, _meta(run))
 
-    atomic_dir(out, write)
+    atomic_dir(out, write, replaces=OUTPUT_ENTRIES, kind="preprocess output folder")
     return report

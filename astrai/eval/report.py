@@ -2,7 +2,9 @@
 
 A task's summary is one flat JSON object, `{"task": ..., "model": ..., metric: value, ...}`, printed as the
 **last line of stdout** so scripts can `tail -n 1 | jq`; before it a rich table shows the same numbers for
-people. Per-sample results (one JSON object per line) go to `--out FILE` when given, written atomically.
+people. Per-sample results (one JSON object per line) go to `--out FILE` when given, written atomically (a temp
+file renamed over it, removed on any failure). `check_out` refuses, before the run, an `--out` that is a folder,
+the same file as an input (`--data`, ...), or a file of the model folder: writing it would replace that file.
 """
 
 from __future__ import annotations
@@ -53,15 +55,62 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def check_out(out: Path | None, inputs: Mapping[str, Path | None], model: str | Path | None = None) -> None:
+    """Refuse an `--out` file that cannot be written or whose writing would destroy an input; None passes.
+
+    Args:
+        out: the per-sample results file.
+        inputs: flag -> file the run reads (`{"--data": path}`); missing or unset ones are skipped.
+        model: the model folder (or model id): `--out` may not be one of its HF files (config, weights, tokenizer).
+
+    Raises:
+        ValueError: `out` is a folder, sits under a file, is the same file as an input (also through a link), or
+            is a model folder file; the message names both.
+    """
+    if out is None:
+        return
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file path for the per-sample results (JSON lines)")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, so the results file cannot be created under it")
+    for flag, path in inputs.items():
+        if path is not None and out.exists() and Path(path).exists() and os.path.samefile(out, path):
+            raise ValueError(f"--out {out} is the input {flag} {path}: writing the results would replace it; "
+                             "give another file")  # fmt: skip
+    if model and Path(model).is_dir() and out.resolve().parent == Path(model).resolve():
+        from fnmatch import fnmatchcase
+
+        from astrai.io.checkpoint import MODEL_FOLDER_ENTRIES
+
+        if any(fnmatchcase(out.name, pattern) for pattern in MODEL_FOLDER_ENTRIES):
+            raise ValueError(f"--out {out} is a file of the model folder {model}: writing the results there would "
+                             "break the model; give another file")  # fmt: skip
+
+
 def write_samples(samples: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Per-sample records as JSON lines, written to a temporary file then renamed (no half-written file)."""
+    """Per-sample records as JSON lines, written to a temporary file then renamed (no half-written file; the temp
+    file is removed if anything fails).
+
+    Raises:
+        IsADirectoryError: `path` is a folder.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write the per-sample results to {path}: it is a folder, give a file path")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in samples:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in samples:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def show(report: Report, *, out: Path | None = None, console: Console | None = None) -> None:
