@@ -83,6 +83,23 @@ def test_chat_uses_the_template_over_turns(model_dir, capsys, monkeypatch):
     assert reply in out and out.count("model>") == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "gpu"])
+def test_an_unusable_device_is_one_error_line(model_dir, capsys, command, device):
+    """`--device cuda` on a machine without CUDA (or a name torch does not know) is one `error:` line and exit 2
+    from every model command, before any weight is read; was torch's assertion with a traceback. Control: the
+    same command line with `--device cpu` runs (`generate`)."""
+    extra = {"generate": ["--prompt", "hi", "--max-tokens", "1"], "serve": ["--port", "0"]}.get(command, [])
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(model_dir), "--device", device, *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error:" in err and device in err, err
+    assert "CUDA is not available" in err if device != "gpu" else "not a device name" in err, err
+    if command == "generate":
+        main([command, str(model_dir), "--device", "cpu", *extra])
+
+
 def test_bad_folder_is_one_line_error_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "astrai.cli.main", "info", "--model", str(tmp_path)],
