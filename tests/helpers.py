@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 
 import torch
 
@@ -244,6 +245,23 @@ def grammar_takes(view, grammar, ids) -> bool:
         if not bitmask_allowed(mask, view.vocab_size)[0, token] or not accept(matcher, token):
             return False
     return is_accepting(matcher)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise TimeoutError in the block after `seconds`: an attack that used to hang fails instead of stalling the
+    suite (SIGALRM, so the main thread only, as pytest runs tests)."""
+
+    def expire(*_):
+        raise TimeoutError(f"took over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager

@@ -290,6 +290,10 @@ def _refuse_unless_replaceable(out: Path, replaces: Collection[str] | None, kind
         return
     if not out.is_dir():
         raise FileExistsError(f"refusing to write a {kind} to {out}: it exists and is a file, not a folder")
+    cwd = Path.cwd().resolve()
+    if out.resolve() == cwd or out.resolve() in cwd.parents:  # swapped out, the shell would sit in a deleted folder
+        raise FileExistsError(f"refusing to replace {out} with a {kind}: it is (or holds) the current working "
+                              "directory; write to a subfolder, e.g. ./model")  # fmt: skip
     if replaces is None:
         return
     foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatchcase(p.name, pat) for pat in replaces))
@@ -312,8 +316,9 @@ def atomic_dir(
 
     A previous folder at `out_dir` is swapped out only once the new one is complete, so an interrupted save keeps
     it; on any failure the temp folder is removed and the previous folder is put back. Because the swap replaces
-    the whole folder, it is refused (before anything is written or moved) when `out_dir` is a file, or a folder
-    holding an entry that no pattern of `replaces` matches: a save must never delete unrelated user files.
+    the whole folder, it is refused (before anything is written or moved) when `out_dir` is a file, the working
+    directory or one above it, or a folder holding an entry that no pattern of `replaces` matches: a save must
+    never delete unrelated user files.
 
     Args:
         out_dir: the folder to create or replace.
@@ -324,7 +329,8 @@ def atomic_dir(
         kind: what the folder is, for error messages ("model folder", "LoRA adapter folder", ...).
 
     Raises:
-        FileExistsError: `out_dir` is a file, or a folder holding entries `replaces` does not allow.
+        FileExistsError: `out_dir` is a file, the working directory (or above it), or a folder holding entries
+            `replaces` does not allow.
     """
     out = Path(out_dir).resolve()
     _refuse_unless_replaceable(out, replaces, kind)

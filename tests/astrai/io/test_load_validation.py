@@ -6,11 +6,9 @@ the edited field) loading is the positive control. Attacks that used to hang run
 regression fails instead of hanging.
 """
 
-import contextlib
 import json
 import math
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -19,25 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import astrai
 from astrai.io.errors import CheckpointError
-from helpers import save_hf, tiny_hf_model, tiny_model_dir
+from helpers import deadline, save_hf, tiny_hf_model, tiny_model_dir
 
 MISSING = "/nonexistent/astrai-model"  # a bad device or dtype must be reported before the path is even looked at
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise TimeoutError in the block after `seconds` (SIGALRM: main thread only, as pytest runs tests)."""
-
-    def expire(*_):
-        raise TimeoutError(f"took over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,21 @@ def test_resave_over_a_previous_save_replaces_it(model, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.parametrize("target", [".", ".."])
+def test_save_over_the_working_directory_is_refused(model, tmp_path, monkeypatch, target):
+    # an empty (or previous-save) working directory would pass the entry check; swapped out, the user's shell sits
+    # in a deleted folder. Control: a subfolder of it saves.
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match="current working directory"):
+        astrai.save(model, target)
+    assert _tree(tmp_path) == before and work.is_dir() and os.path.samefile(os.getcwd(), work)
+    astrai.save(model, "model")
+    assert astrai.load(work / "model").config == model.config
+
+
 def test_save_into_an_empty_folder(model, tmp_path):
     (tmp_path / "empty").mkdir()
     astrai.save(model, tmp_path / "empty")

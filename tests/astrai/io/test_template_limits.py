@@ -6,8 +6,6 @@ The allocation attacks ask for 100 GB or more, so that a regression fails at onc
 also wrapped in ChatTemplateError: the tests match the limit's message, not just the type).
 """
 
-import contextlib
-import signal
 from pathlib import Path
 
 import pytest
@@ -15,26 +13,10 @@ import pytest
 import astrai
 from astrai.io.chat_template import ChatTemplateError
 from astrai.io.template_limits import MAX_ITEMS
-from helpers import tiny_model_dir
+from helpers import deadline, tiny_model_dir
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 BIG = 10**11
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise TimeoutError in the block after `seconds` (SIGALRM: main thread only, as pytest runs tests)."""
-
-    def expire(*_):
-        raise TimeoutError(f"took over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")
