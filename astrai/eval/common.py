@@ -27,7 +27,8 @@ class EvalConfig:
     """Flags shared by every `astrai eval` task."""
 
     model: str
-    """Model folder (HF format) or Hugging Face model id in the local HF cache."""
+    """Model folder (HF format) or Hugging Face model id in the local HF cache; may also come first, as in
+    `astrai eval ppl MODEL --data F`."""
     revision: str | None = None
     """Branch, tag or commit of a Hugging Face model id (None: main)."""
     dtype: Dtype = "auto"
