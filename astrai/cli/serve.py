@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import attrs
 import tyro
 
-from astrai.cli._common import ModelArgs, console, fail, load_model, parse, run_guarded, served_name
+from astrai.cli._common import ModelArgs, console, err_console, fail, load_model, parse, run_guarded, served_name
 
 if TYPE_CHECKING:
     from astrai.inference.engine import Engine, EngineConfig
@@ -200,6 +200,22 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_chat_template(model: Model) -> None:
+    """Warn at start when the chat template fails on the simplest conversation (one user message): every request
+    to /v1/chat/completions and /v1/messages would then be a 400. A warning, not a refusal: /v1/completions and
+    /v1/embeddings do not use the template."""
+    from astrai.io.chat_template import ChatTemplateError
+
+    if model.tokenizer is None or model.tokenizer.chat_template is None:
+        return
+    try:
+        model.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    except ChatTemplateError as err:
+        err_console.print(f"[bold yellow]warning:[/] the chat template fails on a one-message conversation ({err}); "
+                          "/v1/chat/completions and /v1/messages will answer 400", highlight=False,
+                          soft_wrap=True)  # fmt: skip
+
+
 def main(cfg: ServeConfig) -> None:
     """Bind the address, load the model, build the app and run uvicorn until interrupted."""
     origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
@@ -219,6 +235,7 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
 
     port = sock.getsockname()[1]
     model = load_model(cfg)
+    _check_chat_template(model)
     defaults = run_guarded(lambda: sampling_defaults(cfg.generation_config, model))
     # on CUDA the start compiles the decode step and captures its graphs: seconds to minutes for large models
     with console.status("starting the engine (KV pool; on CUDA: compiling and capturing the decode graphs)"):

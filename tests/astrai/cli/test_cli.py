@@ -191,6 +191,19 @@ def test_serve_command_end_to_end(model_dir, tmp_path):
     assert server.returncode == 0 and "Application shutdown complete" in server.out, server.out
 
 
+def test_serve_warns_at_start_when_the_chat_template_always_fails(model_dir):
+    """A template that fails on a one-message conversation is named by a warning at start; chat routes answer
+    400 in their shape (never 500) and /v1/completions, which needs no template, still serves."""
+    failing = "{% for i in range(10**6) %}x{% endfor %}"  # past the sandbox's range limit on every render
+    with _ServeProcess(model_dir, "--chat-template", failing) as server:
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
+        plain = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"], chat.text
+    assert plain.status_code == 200, plain.text
+    assert "warning: the chat template fails on a one-message conversation" in " ".join(server.out.split())
+
+
 def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkeypatch, capsys):
     import astrai.cli.serve as serve
     import astrai.inference.engine as engine_mod
@@ -201,7 +214,7 @@ def test_serve_names_a_failed_graph_capture_without_a_traceback(tmp_path, monkey
         raise GraphCaptureError("capturing the CUDA graph of the decode step for batch 64 failed (...)")
 
     monkeypatch.setattr(engine_mod, "Engine", failing_engine)
-    monkeypatch.setattr(serve, "load_model", lambda *a: types.SimpleNamespace(generation_defaults={}))
+    monkeypatch.setattr(serve, "load_model", lambda *a: types.SimpleNamespace(generation_defaults={}, tokenizer=None))
     with pytest.raises(SystemExit) as exit_info:
         serve.main(parse(serve.ServeConfig, ["--model", str(tmp_path), "--port", "0"]))
     assert exit_info.value.code == 2
