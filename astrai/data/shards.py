@@ -130,6 +130,9 @@ def _answers(path: Path, rows: int) -> list:
         raise ShardError(f"{path}: cannot read answers.json ({err})") from None
     if not isinstance(answers, list) or len(answers) != rows:
         raise ShardError(f"{path}: answers.json must list one answer per row ({rows})")
+    bad = next((i for i, a in enumerate(answers) if a is not None and not isinstance(a, str)), None)
+    if bad is not None:  # rewards compare strings: another type would silently score every rollout 0
+        raise ShardError(f"{path}: answers.json row {bad} is {type(answers[bad]).__name__}, not a string or null")
     return answers
 
 
@@ -141,7 +144,7 @@ def open_shards(folder: str | Path, kind: str) -> tuple[dict[str, Any], list[Sha
 
     Raises:
         ShardError: see `read_meta`; also a shard missing an array of the kind's schema, a file whose size
-            disagrees with meta.json, or offsets that do not delimit their arrays.
+            disagrees with meta.json, or offsets that decrease or do not delimit their arrays.
     """
     folder = Path(folder)
     meta = read_meta(folder, kind)
@@ -161,6 +164,10 @@ def open_shards(folder: str | Path, kind: str) -> tuple[dict[str, Any], list[Sha
                     raise ShardError(f"{path}: meta.json lists no array {key!r} (has {sorted(specs)})")
                 arrays[key] = _map(path / f"{key}.bin", specs[key], key)
             ends = arrays[offsets_key]
+            # a decreasing offset (a corrupt file) would make a row of negative length: a shape error at read time
+            drops = np.flatnonzero(np.diff(ends) < 0)
+            if len(drops):
+                raise ShardError(f"{path}: {offsets_key} decreases at row {int(drops[0])} (a corrupt shard)")
             for key in keys:
                 if len(ends) == 0 or ends[0] != 0 or ends[-1] != len(arrays[key]):
                     raise ShardError(f"{path}: {offsets_key} does not delimit {key!r} ({len(arrays[key])} entries)")

@@ -230,6 +230,49 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({err})") from None
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_state(path: Path, state: dict[str, Any]) -> None:
+    """Raise `CheckpointError` unless state.json holds what resume trusts: a step that is the folder's own (a
+    garbage step would set every newer, valid checkpoint aside as abandoned, or call an unfinished run finished),
+    non-negative counts and a sampler position."""
+    file = path / "state.json"
+    for key in STATE_FIELDS:
+        if key not in state:
+            raise CheckpointError(f"{file}: missing field {key!r}")
+    for key in ("step", "tokens_seen"):
+        if not _count(state[key]):
+            raise CheckpointError(f"{file}: {key!r} must be a non-negative int, got {state[key]!r}")
+    named = _STEP_DIR.match(path.name)
+    if named is not None and int(named.group(1)) != state["step"]:
+        raise CheckpointError(f"{file}: step {state['step']} is not the folder's step {int(named.group(1))}")
+    sampler = state["sampler"]
+    ok = isinstance(sampler, dict) and _count(sampler.get("epoch")) and _count(sampler.get("batch"))
+    if not ok or not isinstance(sampler.get("seed"), int) or isinstance(sampler.get("seed"), bool):
+        raise CheckpointError(f"{file}: 'sampler' must hold an int seed and non-negative int epoch and batch, "
+                              f"got {sampler!r}")  # fmt: skip
+
+
+def _check_rng(file: Path, rng: dict[str, torch.Tensor]) -> None:
+    """Raise `CheckpointError` unless `rng` holds generator states `set_rng_state` accepts (torch would raise a
+    RuntimeError or TypeError there, after the weights were already loaded)."""
+    if "cpu" not in rng:
+        raise CheckpointError(f"{file}: no 'cpu' generator state")
+    expected = {"cpu": torch.get_rng_state()}
+    if "cuda" in rng and torch.cuda.is_available():
+        expected["cuda"] = torch.cuda.get_rng_state()
+    for name, want in expected.items():
+        got = rng[name]
+        if got.dtype != torch.uint8 or got.dim() != 1 or got.numel() != want.numel():
+            raise CheckpointError(
+                f"{file}: the {name!r} generator state is {str(got.dtype).removeprefix('torch.')} of shape "
+                f"{tuple(got.shape)}, not uint8 of "
+                f"shape ({want.numel()},)"
+            )
+
+
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(state.json, optimizer tensors, rng states) of a checkpoint folder; its weights are in `path/model`
     (a sharded checkpoint: weights and optimizer state in `path/shards`, and the optimizer tensors are empty).
@@ -244,15 +287,32 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
         if not (path / name).exists():
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
     state = read_json(path / "state.json")
-    for key in STATE_FIELDS:
-        if key not in state:
-            raise CheckpointError(f"{path / 'state.json'}: missing field {key!r}")
+    _check_state(path, state)
     rng = _load_tensors(path / "rng.safetensors")
-    if "cpu" not in rng:
-        raise CheckpointError(f"{path / 'rng.safetensors'}: no 'cpu' generator state")
+    _check_rng(path / "rng.safetensors", rng)
     if is_sharded(path):  # the optimizer state is in the shards, read one tensor at a time on resume
         return state, {}, rng
     return state, _load_tensors(path / "optimizer.safetensors"), rng
+
+
+def check_weights_match(folder: Path, saved: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Raise `CheckpointError` unless checkpoint weights `saved` (name -> full tensor, read from `folder`) have the
+    names and shapes of this run's `expected` leaves (a DTensor's `.shape` is its full one).
+
+    Why: a checkpoint of another model shape (the run's config.json, `--model` or `--tokenizer` changed since it
+    was saved, or a step folder copied from another run) would otherwise fail with a size mismatch or KeyError deep
+    in the in-place copy.
+    """
+    hint = "the checkpoint is of another model (did --model, --tokenizer, --lora or the run's config.json change?)"
+    missing = sorted(set(expected) - set(saved))
+    if missing:
+        raise CheckpointError(f"{folder}: has no tensor {missing[0]!r} ({len(missing)} missing); {hint}")
+    for name, leaf in expected.items():
+        if tuple(saved[name].shape) != tuple(leaf.shape):
+            raise CheckpointError(
+                f"{folder}: tensor {name!r} has shape {tuple(saved[name].shape)}, this run's model has "
+                f"{tuple(leaf.shape)}; {hint}"
+            )
 
 
 @attrs.frozen

@@ -244,6 +244,23 @@ _converter.register_unstructure_hook(Path, str)
 _converter.register_structure_hook(Path, lambda value, _: Path(value))
 
 
+def _strict_int(value: Any, _: type) -> int:
+    # cattrs' default is int(value): `true` would become 1 and 1e30 or 64.7 a silently different int
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an int, got {value!r}")
+    return value
+
+
+def _strict_bool(value: Any, _: type) -> bool:
+    if not isinstance(value, bool):  # registered because bool is an int subclass: the int hook would catch it
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+_converter.register_structure_hook(int, _strict_int)
+_converter.register_structure_hook(bool, _strict_bool)
+
+
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """JSON-ready dict of `cfg`."""
     return _converter.unstructure(cfg)
@@ -251,6 +268,8 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     """Inverse of `config_to_dict`; names the offending field on bad input."""
+    if not isinstance(data, dict):  # cattrs would fail with an AttributeError deep in its generated code
+        raise ValueError(f"invalid train config: expected a JSON object of fields, got {type(data).__name__}")
     try:
         return _converter.structure(data, TrainConfig)
     except cattrs.BaseValidationError as err:

@@ -149,6 +149,46 @@ def open_dataset(
     return _DATASETS[kind](path, seq_len)
 
 
+_TOKEN_KEYS = ("tokens", "targets", "chosen", "rejected", "prompt")  # the id tensors of every dataset's items
+
+
+class _VocabChecked:
+    """A dataset whose items are checked, as they are read, to hold only token ids below the model's vocabulary.
+
+    An id >= vocab_size (shards preprocessed with another tokenizer, a corrupt or hand-edited `tokens.bin`) would
+    index past the embedding table: an IndexError deep in torch on CPU, a device-side assert that kills the process
+    on CUDA. Checking each item costs one min/max of a few hundred ids; scanning every shard up front would read the
+    whole dataset at every start. Other attributes (pad_id, records, ...) are the wrapped dataset's.
+    """
+
+    def __init__(self, dataset: PretrainDataset | SFTDataset | DPODataset | GRPODataset, path: str | Path,
+                 vocab_size: int) -> None:  # fmt: skip
+        self.dataset, self.path, self.vocab_size = dataset, path, vocab_size
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.dataset[i]
+        for key in _TOKEN_KEYS:
+            ids = item.get(key)
+            if not isinstance(ids, Tensor) or ids.numel() == 0:
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.vocab_size:
+                raise ShardError(
+                    f"{self.path}: item {i} holds token id {high if high >= self.vocab_size else low} ({key!r}), "
+                    f"outside the model's vocabulary of {self.vocab_size} ids; the shards were preprocessed with "
+                    "another tokenizer or are corrupt (re-run `astrai preprocess` with this model's tokenizer)"
+                )
+        return item
+
+    def __getattr__(self, name: str):
+        if name == "dataset":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 class _Subset:
     """A view of some items of a dataset."""
 
@@ -165,7 +205,15 @@ class _Subset:
 class TrainData:
     """The train/eval datasets of a run and its resumable sampler (host objects)."""
 
-    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        rank: int,
+        world_size: int,
+        tokenizer: Tokenizer | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         path, prompt_len = cfg.data, None
         if cfg.grpo is not None:
             prompt_len = cfg.seq_len - cfg.grpo.max_completion_tokens
@@ -176,10 +224,13 @@ class TrainData:
                     Path(cfg.data), Path(cfg.out_dir) / "prompts", tokenizer, max_prompt_len=prompt_len
                 )
         data = open_dataset(path, cfg.seq_len, dpo=cfg.dpo is not None, grpo_prompt_len=prompt_len)
+        if vocab_size is not None:
+            data = _VocabChecked(data, path, vocab_size)
         self.rank, self.world_size, self.seq_len = rank, world_size, cfg.seq_len
         self.dpo, self.grpo = cfg.dpo is not None, cfg.grpo is not None
         if cfg.val_data is not None:
-            self.train, self.val = data, open_dataset(cfg.val_data, cfg.seq_len)
+            val = open_dataset(cfg.val_data, cfg.seq_len)
+            self.train, self.val = data, val if vocab_size is None else _VocabChecked(val, cfg.val_data, vocab_size)
         elif cfg.val_fraction > 0:
             order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
             n_val = max(1, int(len(data) * cfg.val_fraction))
@@ -216,6 +267,14 @@ class TrainData:
         ]
 
 
-def open_data(cfg: TrainConfig, *, rank: int, world_size: int, tokenizer: Tokenizer | None = None) -> TrainData:
-    """`TrainData` for a run on rank `rank` of `world_size` (`tokenizer` renders a GRPO run's JSONL prompts)."""
-    return TrainData(cfg, rank=rank, world_size=world_size, tokenizer=tokenizer)
+def open_data(
+    cfg: TrainConfig,
+    *,
+    rank: int,
+    world_size: int,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
+) -> TrainData:
+    """`TrainData` for a run on rank `rank` of `world_size` (`tokenizer` renders a GRPO run's JSONL prompts); with
+    `vocab_size`, every item read is checked to hold only ids below it (a `ShardError` naming the item if not)."""
+    return TrainData(cfg, rank=rank, world_size=world_size, tokenizer=tokenizer, vocab_size=vocab_size)

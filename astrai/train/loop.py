@@ -55,6 +55,7 @@ from astrai.train import distributed
 from astrai.train.checkpoint import (
     MANIFEST,
     Resumable,
+    check_weights_match,
     checkpoint_dirs,
     checkpoint_step,
     latest_checkpoint,
@@ -145,7 +146,7 @@ class _Run:
         self.layout = make_layout(cfg.tp, self.dist.rank, self.dist.world_size, self.device)
         self.tp = self.layout.tp
         self.data: TrainData = open_data(cfg, rank=self.layout.dp_rank, world_size=self.layout.dp_size,
-                                         tokenizer=self.tokenizer)  # fmt: skip
+                                         tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size)  # fmt: skip
         # trainable: what the optimiser updates; frozen + to_params: how the forward's tree is built from it
         self.lora_cfg = cfg.lora
         if cfg.lora is None:
@@ -292,6 +293,7 @@ class _Run:
         else:
             full = load(path / "model", dtype=torch.float32, device=self.device).params
             weights = named_tensors(full if self.tp is None else shard_params(full, self.model_cfg, self.tp))
+        check_weights_match(path / "model", weights, named_tensors(self.state.trainable))
         load_into_shards_(self.state.trainable, weights, named_tensors(self.state.trainable))
         if self.tp is not None:  # the checkpoint holds the full model's moments: take this rank's shard of them
             template = init_optimizer(full, self.cfg.optim)

@@ -18,13 +18,15 @@ from astrai.train.checkpoint import (
     verify_checkpoint,
 )
 
+_SAMPLER = {"seed": 0, "epoch": 0, "batch": 1}  # load_checkpoint checks the sampler position is there
+
 
 def _save(run, step, value, keep_last=2):
     def write_model(folder):
         save_file({"w": torch.full((3,), float(value))}, str(folder / "model.safetensors"))
 
     return save_checkpoint(run, step, write_model=write_model, optimizer={"m": torch.tensor([value])},
-                           state={"tokens_seen": value, "sampler": {}}, keep_last=keep_last)  # fmt: skip
+                           state={"tokens_seen": value, "sampler": _SAMPLER}, keep_last=keep_last)  # fmt: skip
 
 
 def test_save_load_and_keep_last(tmp_path):
@@ -32,7 +34,7 @@ def test_save_load_and_keep_last(tmp_path):
         _save(tmp_path, step, step)
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_00000020", "step_00000030"]
     state, opt, rng = load_checkpoint(latest_checkpoint(tmp_path))
-    assert state == {"step": 30, "tokens_seen": 30, "sampler": {}} and opt["m"].item() == 30
+    assert state == {"step": 30, "tokens_seen": 30, "sampler": _SAMPLER} and opt["m"].item() == 30
     assert torch.equal(rng["cpu"], torch.get_rng_state())
 
 
