@@ -23,23 +23,8 @@ from astrai.train.checkpoint import MANIFEST, checkpoint_dirs, verify_checkpoint
 from astrai.train.config import TrainConfig
 from astrai.train.metrics import read_metrics
 from astrai.train.optim import AdamWConfig
-from astrai.train.schedule import ScheduleConfig
 
 CLI_TIMEOUT_S = 180
-
-
-@pytest.fixture(scope="module")
-def finished_run(sft_data, tmp_path_factory) -> TrainConfig:
-    """The config of a finished 6-step run with checkpoints step_3 and step_6 (do not modify its folder)."""
-    tokenizer, shards = sft_data
-    cfg = TrainConfig(
-        data=shards, tokenizer=tokenizer, out_dir=tmp_path_factory.mktemp("faults") / "run", model="tiny",
-        seq_len=64, batch_size=4, steps=6, optim=AdamWConfig(lr=3e-3),
-        schedule=ScheduleConfig(kind="cosine", warmup_steps=2), compile=False, save_every=3, keep_last=3,
-    )  # fmt: skip
-    loop.train(cfg, tiny())
-    assert [p.name for p in checkpoint_dirs(cfg.out_dir)] == ["step_00000003", "step_00000006"]
-    return cfg
 
 
 @pytest.fixture

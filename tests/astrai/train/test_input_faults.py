@@ -17,25 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from astrai.cli.main import main
-from astrai.configs.models import tiny
-from astrai.train import loop
 from astrai.train.checkpoint import MANIFEST, checkpoint_dirs
-from astrai.train.config import TrainConfig
-from astrai.train.optim import AdamWConfig
-from astrai.train.schedule import ScheduleConfig
-
-
-@pytest.fixture(scope="module")
-def finished_run(sft_data, tmp_path_factory) -> TrainConfig:
-    """A finished 6-step run with checkpoints step_3 and step_6 (do not modify its folder)."""
-    tokenizer, shards = sft_data
-    cfg = TrainConfig(
-        data=shards, tokenizer=tokenizer, out_dir=tmp_path_factory.mktemp("input_faults") / "run", model="tiny",
-        seq_len=64, batch_size=4, steps=6, optim=AdamWConfig(lr=3e-3),
-        schedule=ScheduleConfig(kind="cosine", warmup_steps=2), compile=False, save_every=3, keep_last=3,
-    )  # fmt: skip
-    loop.train(cfg, tiny())
-    return cfg
 
 
 @pytest.fixture
