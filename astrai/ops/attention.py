@@ -160,7 +160,7 @@ def paged_attention(
 def _paged_impl(decode: bool, backend: Backend) -> Callable[..., Tensor]:
     """The decode or extend implementation of `backend`, imported on first use (importing astrai stays light)."""
     if backend == "cuda_ref":
-        from astrai import cuda_ref
+        import astrai.cuda_ref as cuda_ref
 
         return cuda_ref.decode_attention if decode else cuda_ref.extend_attention
     if decode:

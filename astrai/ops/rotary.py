@@ -26,7 +26,7 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool 
 
         return rotary_kernel(q, k, cos, sin, interleaved=interleaved)
     if backend == "cuda_ref":
-        from astrai import cuda_ref
+        import astrai.cuda_ref as cuda_ref
 
         return cuda_ref.rotary(q, k, cos, sin, interleaved=interleaved)
     # the reference is vectorised fp32 torch, so it is also the CPU path

@@ -86,7 +86,11 @@ def _known(name: str) -> str | None:
 
 def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     """The astrai modules an import statement uses: `from pkg import sub` counts as `pkg.sub` when `sub` is a
-    module, and as `pkg` (its __init__) when it is a name defined there."""
+    module, and as `pkg` (its __init__) when it is a name defined there. `from astrai import anything` always counts
+    as the package facade: it reads names off `astrai/__init__.py` (a submodule only by the import system's
+    fallback), so a lower layer must write `import astrai.cuda_ref as cuda_ref` instead."""
+    if isinstance(node, ast.ImportFrom) and not node.level and node.module == "astrai":
+        return ["astrai"]
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
@@ -185,6 +189,11 @@ def test_the_checks_can_fail():
     assert _upward({"astrai.nn.mla": {"astrai.triton_kernels.mla_decode"}}) != []  # kernels only from ops
     lazy = ast.parse("def f():\n    from triton_kernels.rotary import rotary_ref\n").body[0].body[0]
     assert _targets("astrai.nn.rope", lazy) == ["astrai.triton_kernels.rotary"]
+    facade = ast.parse("def f():\n    from astrai import cuda_ref\n").body[0].body[0]
+    assert _targets("astrai.ops.rotary", facade) == ["astrai"]  # through the facade, not the submodule
+    assert _upward({"astrai.ops.rotary": {"astrai"}}) == ["astrai.ops.rotary (ops) imports astrai (astrai)"]
+    submodule = ast.parse("import astrai.cuda_ref as cuda_ref\n").body[0]
+    assert _targets("astrai.ops.rotary", submodule) == ["astrai.cuda_ref"]
 
 
 def test_nothing_imports_the_folder_names():
