@@ -209,6 +209,17 @@ async def _stream(gen: Generation, source: AsyncIterator[Delta], head: dict[str,
     yield sse({"type": "message_stop"}, "message_stop")
 
 
+def _check_context(prompt_len: int, max_tokens: int, context: int) -> None:
+    """A 400 in Anthropic's wording when the prompt, or the prompt with `max_tokens`, exceeds the context (clients
+    such as litellm recognise "prompt is too long" as a context-window error)."""
+    if prompt_len >= context:
+        raise APIError(400, f"prompt is too long: {prompt_len} tokens > {context - 1} maximum", param="messages")
+    if prompt_len + max_tokens > context:
+        raise APIError(400, f"input length and `max_tokens` exceed context limit: {prompt_len} + {max_tokens} > "
+                            f"{context}, decrease input length or `max_tokens` and try again",
+                       param="max_tokens")  # fmt: skip
+
+
 def routes(state: ServerState) -> list[Route]:
     """The Anthropic routes over a `ServerState`."""
 
@@ -222,6 +233,7 @@ def routes(state: ServerState) -> list[Route]:
             raise APIError(400, "thinking: this server splits no reasoning off the output; start it with "
                                 "--reasoning-parser (qwen3 or deepseek_r1) to return thinking blocks")  # fmt: skip
         ids = await prompt_ids(req)
+        _check_context(len(ids), req.max_tokens, state.context)
         params = sampling_params(req, state.sampling_defaults, state.tokenizer, state.tool_parser)
         if params.grammar is not None:  # compiled off the event loop; a tool schema it cannot take is a 400
             try:

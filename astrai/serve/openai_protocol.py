@@ -76,6 +76,7 @@ from astrai.serve.sampling_fields import (
     bad,
     check_fields,
     common_checks,
+    context_exceeded,
     flag,
     include_usage,
     integer,
@@ -473,11 +474,9 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int
         where = f"prompt[{i}]" if several else "prompt"
         ids, text = _prompt_ids(tokenizer, prompt, where, vocab_size, add_special)
         if len(ids) > context or (generate and len(ids) == context):
-            raise bad("prompt", f"{where} has {len(ids)} tokens, but the model's context is {context} tokens"
-                                f"{': no room to generate' if generate else ''}")  # fmt: skip
+            raise context_exceeded("prompt", context, len(ids), what=where)
         if explicit is not None and len(ids) + explicit > context:
-            raise bad("max_tokens", f"{where} has {len(ids)} tokens and max_tokens is {explicit}: {len(ids) + explicit}"
-                                    f" tokens, more than the model's context of {context} tokens")  # fmt: skip
+            raise context_exceeded("max_tokens", context, len(ids), explicit, what=where)
         parsed.append((ids, text))
     default = defaults.get("max_tokens", 16)
     limits = [explicit or min(default, context - len(ids)) if generate else 1 for ids, _ in parsed]

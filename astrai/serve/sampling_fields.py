@@ -274,15 +274,47 @@ def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprob
     return params
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's error `code` for a prompt (plus completion) longer than the context: clients key on it (litellm maps it,
+with the "maximum context length" wording, to its ContextWindowExceededError, which drives its fallbacks)."""
+
+
+def context_exceeded(param: str, context: int, prompt_len: int, completion: int | None = None,
+                     what: str = "messages") -> APIError:  # fmt: skip
+    """The 400 for a request the context cannot hold, in OpenAI's wording and `code`, with the numbers.
+
+    Args:
+        param: the field to shorten (`messages`, `prompt` or `max_tokens`).
+        context: tokens one sequence may hold, prompt and completion together.
+        prompt_len: the prompt's tokens.
+        completion: the completion tokens asked for; None when the prompt alone leaves no room to generate.
+        what: the prompt's name in the message (`messages`, `prompt`, `prompt[2]`).
+    """
+    head = f"This model's maximum context length is {context} tokens. However, "
+    if completion is None:
+        room = " (no room is left for the completion)" if prompt_len == context else ""
+        tail = f"your {what} resulted in {prompt_len} tokens{room}. Please reduce the length of the {what}."
+    else:
+        tail = (f"you requested {prompt_len + completion} tokens ({prompt_len} in the {what}, {completion} in the "
+                f"completion). Please reduce the length of the {what} or completion.")  # fmt: skip
+    return APIError(400, head + tail, param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+
 def max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, default: int | None, prompt_param: str,
                context: int) -> int:  # fmt: skip
-    """The first of `keys` given, else `default` (capped to the room left), else the rest of the `context`."""
+    """The first of `keys` given, else `default` (capped to the room left), else the rest of the `context`.
+
+    Raises:
+        APIError: 400 with code `context_length_exceeded` when the prompt leaves no room, or the explicit value
+            does not fit beside it.
+    """
     if prompt_len >= context:
-        raise bad(prompt_param, f"the prompt has {prompt_len} tokens, but the model's context is {context} tokens: "
-                                "no room to generate")  # fmt: skip
+        raise context_exceeded(prompt_param, context, prompt_len, what=prompt_param)
     for key in keys:
         value = integer(body, key, None, 1, None)
         if value is not None:
+            if prompt_len + value > context:
+                raise context_exceeded(key, context, prompt_len, value, what=prompt_param)
             return value
     return context - prompt_len if default is None else min(default, context - prompt_len)
 

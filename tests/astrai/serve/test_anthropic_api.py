@@ -334,7 +334,14 @@ def test_malformed_json_wrong_key_and_too_long_prompt(server, client):
     long = user("hello world " * server.engine.max_model_len)
     prompt_len = len(rendered(server, long))
     message = assert_error_shape(post(server, {**GOOD, "messages": long}), 400, "invalid_request_error")
-    assert str(prompt_len) in message and str(server.engine.max_model_len) in message
+    engine = server.engine
+    context = min(engine.max_model_len, (engine.pool.num_pages - 1) * engine.config.page_size)
+    assert message == f"prompt is too long: {prompt_len} tokens > {context - 1} maximum"  # Anthropic's wording
+    short = user("hello")  # fits, but not with this max_tokens
+    message = assert_error_shape(post(server, {**GOOD, "messages": short, "max_tokens": context}), 400,
+                                 "invalid_request_error")  # fmt: skip
+    assert message.startswith("input length and `max_tokens` exceed context limit: ")
+    assert f" + {context} > {context}," in message
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [IMAGE]}])
     assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
