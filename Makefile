@@ -2,12 +2,13 @@
 #   make run   - create .venv and run the main job
 #   make test  - create .venv, lint, and run the test suite (the CI set: tests marked slow are left out)
 #   make test-all - the same with the slow tests (the full quickstart's accuracy, torchrun launches, ...)
+#   make test-data - download the pinned test-only data into .cache/ (test and test-all run it first)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all lint venv bench-smoke clean
+.PHONY: run test test-all test-data lint venv bench-smoke clean
 
 # torch is installed first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -25,10 +26,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# Real chat templates for tests/astrai/serve/test_real_templates.py: the llama-cpp-python sdist (llama.cpp's
+# models/templates), pinned by version and sha256 in tests/real_templates.py; fetched once, never at test time.
+test-data:
+	python3 tests/real_templates.py
+
+test: lint test-data
 	$(VENV)/bin/pytest -q -m "not slow"
 
-test-all: lint
+test-all: lint test-data
 	$(VENV)/bin/pytest -q
 
 bench-smoke: $(STAMP)

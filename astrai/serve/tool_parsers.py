@@ -2,11 +2,13 @@
 
 - `hermes`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen2.5/3, Hermes; `tool_calls.py`).
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (or one object), or, from Mistral's
-  tokenizer v11 on, `[TOOL_CALLS]NAME[ARGS]{...}` per call.
+  tokenizer v11 on, `[TOOL_CALLS]NAME[ARGS]{...}` per call (`NAME[CALL_ID]ID[ARGS]{...}` as Mistral-Small-3.2's
+  template renders calls; the id is not kept).
 - `llama3_json`: an optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}` (several separated by
   `;`); without the tag the whole output must be the JSON.
 - `qwen3_coder`: `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`;
-  values are typed by the tool's parameter schema (a string parameter stays text, other types are JSON).
+  values are typed by the tool's parameter schema (a string parameter stays text, other types are JSON, or the
+  `True` / `False` / `None` that the template's `| string` writes for a boolean / null value).
 - `deepseek_v3`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
   <｜tool▁call▁end｜><｜tool▁calls▁end｜>` (one line; V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
   <｜tool▁call▁end｜>` too).
@@ -286,10 +288,11 @@ class MarkupParser(abc.ABC):
 
 
 class MistralParser(MarkupParser):
-    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]NAME[ARGS]{...}` (v11+)."""
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]NAME[ARGS]{...}` (v11+), with an
+    optional `[CALL_ID]ID` before `[ARGS]`."""
 
     OPEN, REPAIRS = "[TOOL_CALLS]", ("]",)
-    _NAMED = re.compile(r"\s*([a-zA-Z0-9_.-]{1,64})(?:\[ARGS\]|(?=\{))(.*)\Z", re.S)
+    _NAMED = re.compile(r"\s*([a-zA-Z0-9_.-]{1,64})(?:\[CALL_ID\][a-zA-Z0-9]{1,64})?(?:\[ARGS\]|(?=\{))(.*)\Z", re.S)
 
     def decode(self, region: str) -> Decoded:
         out: list[tuple[str, str]] = []
@@ -411,16 +414,21 @@ def value_kinds(schema: Any) -> set[str]:
     return {next(name for cls, name in _JSON_KINDS if isinstance(v, cls)) for v in values}
 
 
+# Qwen3-Coder's template writes a scalar value with jinja's `| string`, i.e. Python's str(): True, False, None
+_PYTHON_LITERALS = {"True": (True, "boolean"), "False": (False, "boolean"), "None": (None, "null")}
+
+
 def _typed(value: str, schema: Any) -> Any:
-    """A qwen3_coder parameter value: text for string (or unknown) parameters, else its JSON value (text if the
-    JSON does not parse, as vLLM keeps it)."""
+    """A qwen3_coder parameter value: text for string (or unknown) parameters, else its JSON value, or the Python
+    literal the template renders for a boolean / null (text if neither parses, as vLLM keeps it)."""
     kinds = value_kinds(schema)
     if not kinds or "string" in kinds:
         return value
     try:
         return _loads(value.strip())
     except (ValueError, RecursionError):
-        return value
+        literal = _PYTHON_LITERALS.get(value.strip())
+        return literal[0] if literal is not None and literal[1] in kinds else value
 
 
 def _hermes(tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
