@@ -25,11 +25,13 @@ Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,16 +66,21 @@ def prompts(n: int, length: int, vocab: int, seed: int, prefix: list[int] | None
 def hf_generate(hf, batch: list[list[int]], new: int, **extra) -> float:
     """Seconds for transformers' greedy generate of a left-padded batch (exactly `new` tokens each); `extra`:
     more `generate` keywords (`_common.hf_generate_kwargs`)."""
+    return hf_generate_ids(hf, batch, new, **extra)[0]
+
+
+def hf_generate_ids(hf, batch: list[list[int]], new: int, **extra) -> tuple[float, torch.Tensor]:
+    """`hf_generate`'s seconds and the generated ids, (rows, new), for checking one path against another."""
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                    **extra)  # fmt: skip
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, **extra)  # fmt: skip
     if hf.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, out[:, width:].cpu()
 
 
 def engine_run(engine: Engine, batch: list[list[int]], new: int, params: list[SamplingParams] | None = None,
@@ -127,6 +134,42 @@ def single_decode_tok_s(engine: Engine, model, args) -> float:
     return (args.new - 1) / sum(run["itl"])
 
 
+def rounds(providers: dict[str, Callable[[int], float]], repeats: int) -> dict[str, list[float]]:
+    """Each provider's rate in each of `repeats` rounds. A round runs every provider once, in an order rotated by
+    one each round, so a shared machine's load falls on all of them alike and none always runs first."""
+    keys, rates = list(providers), {key: [] for key in providers}
+    for r in range(repeats):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            rates[key].append(providers[key](r))
+    return rates
+
+
+def spreads(out: dict, rates: dict[str, list[float]], ratios: dict[str, tuple[str, str]]) -> dict:
+    """Into `out`: each rate's median, `_min` and `_max` under its key, and each ratio `key: (num, den)` taken
+    round by round (both sides of one round ran minutes apart at most), as the median with its min and max."""
+    series = dict(rates)
+    for key, (num, den) in ratios.items():
+        series[key] = [a / b for a, b in zip(rates[num], rates[den], strict=True)]
+    for key, values in series.items():
+        out[key], out[f"{key}_min"], out[f"{key}_max"] = statistics.median(values), min(values), max(values)
+    return out
+
+
+def agreement(ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    """How two greedy generations of the same prompts ((rows, new) token ids) agree: identical rows, and each row's
+    common prefix. On random weights near-tied logits flip an argmax now and then, after which the rows diverge
+    for good, so a correct path shows long common prefixes and a broken one diverges at once."""
+    prefix = (ids == ref).int().cumprod(1).sum(1)
+    return dict(rows=ids.shape[0], new_tokens=ids.shape[1], identical_rows=int((prefix == ids.shape[1]).sum()),
+                prefix_mean=float(prefix.float().mean()), prefix_min=int(prefix.min()))  # fmt: skip
+
+
+def hf_modes(args) -> tuple[str, ...]:
+    """transformers' paths timed: eager (DynamicCache) and, but under --smoke (its compiles take a minute on 2
+    cores), its fastest (static cache + `torch.compile`)."""
+    return ("eager",) if args.smoke else ("eager", "static-compile")
+
+
 def section_single(hf, engine: Engine, model, args) -> dict:
     prompt = prompts(1, 32, model.config.vocab_size, 1)
     baselines = {mode: hf_generate_kwargs(mode, 32 + args.new) for mode in ("eager", "static-compile")}
@@ -136,20 +179,14 @@ def section_single(hf, engine: Engine, model, args) -> dict:
 
     for extra in baselines.values():  # warm up outside the timing (CUDA context, cuBLAS, the static compile)
         hf_tok_s(extra)
-    rates = {"engine": [], **{mode: [] for mode in baselines}}
-    for _ in range(args.repeats):  # alternating, so each sees the same minutes of a shared machine
-        rates["engine"].append(single_decode_tok_s(engine, model, args))
-        for mode, extra in baselines.items():
-            rates[mode].append(hf_tok_s(extra))
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    providers = {"engine_tok_s": lambda r: single_decode_tok_s(engine, model, args),
+                 "hf_tok_s": lambda r: hf_tok_s(baselines["eager"]),
+                 "hf_static_compile_tok_s": lambda r: hf_tok_s(baselines["static-compile"])}  # fmt: skip
+    out = spreads({}, rounds(providers, args.repeats),
+                  {"speedup": ("engine_tok_s", "hf_tok_s"),
+                   "speedup_vs_static_compile": ("engine_tok_s", "hf_static_compile_tok_s")})  # fmt: skip
     weight_bytes = model.nbytes - (0 if model.params.lm_head is None else model.params.embed_tokens.weight.nbytes)
-    out = dict(engine_tok_s=med["engine"], hf_tok_s=med["eager"], hf_static_compile_tok_s=med["static-compile"],
-               speedup=med["engine"] / med["eager"], speedup_vs_static_compile=med["engine"] / med["static-compile"],
-               roofline=weight_bytes * med["engine"] / (args.bandwidth * 1e9), repeats=args.repeats)  # fmt: skip
-    for key, values in (("engine_tok_s", rates["engine"]), ("hf_tok_s", rates["eager"]),
-                        ("hf_static_compile_tok_s", rates["static-compile"])):  # fmt: skip
-        out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
-    return out
+    return dict(out, roofline=weight_bytes * out["engine_tok_s"] / (args.bandwidth * 1e9), repeats=args.repeats)
 
 
 def warm_batch(engine: Engine, model, n: int, args) -> None:
@@ -160,22 +197,51 @@ def warm_batch(engine: Engine, model, n: int, args) -> None:
 
 
 def section_batch(hf, engine: Engine, model, n: int, args) -> dict:
-    batch = prompts(n, args.prompt_len, model.config.vocab_size, n)
+    """(b), (d) for N requests. Providers, one run each per round (`rounds`): the engine (all N submitted at
+    once; other prompts each round, so its radix gains nothing), transformers' padded batch of the N and
+    transformers one by one (the first `--one-by-one` of them in turn, tok/s over their total time), each
+    through each of `hf_modes`. Every transformers path first runs untimed at its exact timed shapes (the N
+    padded, one request; the same cache length), which is where the static path compiles; the compiled path's
+    greedy tokens are checked against eager's on the same prompts, and the engine's first run (the same
+    prompts) against eager's too. `timed_compiles` counts graphs Dynamo compiled during the timed rounds."""
+    from bench_throughput import counted_graphs
+
+    vocab, one, modes = model.config.vocab_size, min(args.one_by_one, n), hf_modes(args)
+    batch = prompts(n, args.prompt_len, vocab, n)
+    extra = {mode: hf_generate_kwargs(mode, args.prompt_len + args.new) for mode in modes}
     warm_batch(engine, model, n, args)
-    one = min(args.one_by_one, n)
-    one_s = sum(hf_generate(hf, [p], args.new) for p in batch[:one]) / one  # per request
-    tokens, padded, runs = n * args.new, [], []
-    for r in range(args.repeats):
-        padded.append(tokens / hf_generate(hf, batch, args.new))
-        runs.append(engine_run(engine, prompts(n, args.prompt_len, model.config.vocab_size, n + 7919 * r), args.new))
-    engine_tok_s, padded_tok_s = statistics.median(r["tok_s"] for r in runs), statistics.median(padded)
-    run = min(runs, key=lambda r: abs(r["tok_s"] - engine_tok_s))  # the median run's latencies
-    return dict(requests=n, engine_tok_s=engine_tok_s, engine_tok_s_min=min(r["tok_s"] for r in runs),
-                engine_tok_s_max=max(r["tok_s"] for r in runs), hf_one_by_one_tok_s=args.new / one_s,
-                hf_padded_tok_s=padded_tok_s, hf_padded_tok_s_min=min(padded), hf_padded_tok_s_max=max(padded),
-                vs_one_by_one=engine_tok_s / (args.new / one_s), vs_padded=engine_tok_s / padded_tok_s,
-                repeats=args.repeats, ttft_p50=pct(run["ttft"], 50), ttft_p99=pct(run["ttft"], 99),
-                itl_p50=pct(run["itl"], 50), itl_p99=pct(run["itl"], 99))  # fmt: skip
+    ids = {}
+    for mode in modes:
+        ids[mode] = hf_generate_ids(hf, batch, args.new, **extra[mode])[1]
+        hf_generate(hf, batch[:1], args.new, **extra[mode])
+    runs: list[dict] = []
+
+    def engine_tok_s(r: int) -> float:
+        runs.append(engine_run(engine, prompts(n, args.prompt_len, vocab, n + 7919 * r), args.new))
+        return runs[-1]["tok_s"]
+
+    def padded(mode: str) -> Callable[[int], float]:
+        return lambda r: n * args.new / hf_generate(hf, batch, args.new, **extra[mode])
+
+    def one_by_one(mode: str) -> Callable[[int], float]:
+        return lambda r: one * args.new / sum(hf_generate(hf, [p], args.new, **extra[mode]) for p in batch[:one])
+
+    names = {"eager": "", "static-compile": "_static_compile"}
+    providers = {"engine_tok_s": engine_tok_s}
+    for mode in modes:
+        providers[f"hf_padded{names[mode]}_tok_s"] = padded(mode)
+        providers[f"hf_one_by_one{names[mode]}_tok_s"] = one_by_one(mode)
+    graphs = counted_graphs()
+    rates = rounds(providers, args.repeats)
+    out = dict(requests=n, repeats=args.repeats, one_by_one_requests=one, timed_compiles=counted_graphs() - graphs)
+    spreads(out, rates, {f"vs_{key[3:-6]}": ("engine_tok_s", key) for key in providers if key != "engine_tok_s"})
+    engine_ids = torch.tensor([list(c.outputs[0].token_ids) for c in runs[0]["completions"]])  # round 0: `batch`
+    out["check"] = {"engine vs eager": agreement(engine_ids, ids["eager"])}
+    if "static-compile" in ids:
+        out["check"]["static-compile vs eager"] = agreement(ids["static-compile"], ids["eager"])
+    run = min(runs, key=lambda r: abs(r["tok_s"] - out["engine_tok_s"]))  # the median run's latencies
+    return dict(out, ttft_p50=pct(run["ttft"], 50), ttft_p99=pct(run["ttft"], 99), itl_p50=pct(run["itl"], 50),
+                itl_p99=pct(run["itl"], 99))  # fmt: skip
 
 
 def section_prefix(model, args, make_engine) -> dict:
@@ -284,12 +350,13 @@ def warm_up(engine: Engine, model, args) -> None:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    from bench_forward import memory_bandwidth_gbs
+    from bench_throughput import machine as probe_machine
 
-    cuda = args.device == "cuda"
-    args.bandwidth = (device_peaks(torch.cuda.get_device_name())[0] / 1e9 if cuda
-                      else memory_bandwidth_gbs(256 if args.smoke else 1024))  # fmt: skip
-    dtype = getattr(torch, args.dtype)
+    cuda, dtype = args.device == "cuda", getattr(torch, args.dtype)
+    # the machine as bench_throughput probes it (read/copy GB/s, matmul GFLOP/s) and the load average, at the
+    # start and again at the end: on a shared box they say how loaded it was while this ran
+    probe = dict(probe_machine(args.device, dtype, small=args.smoke), loadavg=os.getloadavg())
+    args.bandwidth = device_peaks(torch.cuda.get_device_name())[0] / 1e9 if cuda else probe["read_gbs"]
     with tempfile.TemporaryDirectory() as tmp:
         hf, model = build(args.config, dtype, Path(tmp), args.device)
 
@@ -305,7 +372,8 @@ def run(args) -> dict:
     machine = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
     report = dict(benchmark="bench_engine", config=args.config, dtype=args.dtype, device=args.device,
                   threads=torch.get_num_threads(), machine=machine, torch=torch.__version__,
-                  memory_read_gbs=args.bandwidth, prompt_len=args.prompt_len, new_tokens=args.new)  # fmt: skip
+                  memory_read_gbs=args.bandwidth, probe=probe, prompt_len=args.prompt_len,
+                  new_tokens=args.new)  # fmt: skip
     start = time.perf_counter()
     if {"a", "b"} - set(args.skip):
         with make_engine() as engine:
@@ -333,24 +401,53 @@ def run(args) -> dict:
     if args.overlap:
         console.print("[dim](f) overlap schedule on vs off...[/]")
         report["overlap"] = section_overlap(model, args, make_engine)
+    report["probe_end"] = dict(probe_machine(args.device, dtype, small=args.smoke), loadavg=os.getloadavg())
     return report
 
 
+PATHS = {  # (a)/(b) rate keys and what each runs, for the tables
+    "engine_tok_s": "astrai engine",
+    "hf_tok_s": "transformers eager (DynamicCache)",
+    "hf_static_compile_tok_s": "transformers static cache + torch.compile",
+    "hf_padded_tok_s": "transformers padded batch, eager (DynamicCache)",
+    "hf_padded_static_compile_tok_s": "transformers padded batch, static cache + torch.compile",
+    "hf_one_by_one_tok_s": "transformers one by one, eager (DynamicCache)",
+    "hf_one_by_one_static_compile_tok_s": "transformers one by one, static cache + torch.compile",
+}
+
+
+def spread_text(row: dict, key: str, spec: str) -> str:
+    """`row[key]` as "median (min-max)"."""
+    return f"{row[key]:{spec}} ({row[f'{key}_min']:{spec}}-{row[f'{key}_max']:{spec}})"
+
+
+def rate_rows(row: dict, ratio_of: dict[str, str]) -> list[dict]:
+    """One table row per path measured in `row`: its tok/s and the engine's ratio to it, each median (min-max)."""
+    return [dict(requests=row.get("requests", 1), path=name, tok_s=spread_text(row, key, ".1f"),
+                 engine_ratio=spread_text(row, ratio_of[key], ".2f") if key in ratio_of else "")
+            for key, name in PATHS.items() if key in row]  # fmt: skip
+
+
 def show(r: dict) -> None:
-    cols = [("engine_tok_s", ".1f"), ("hf_tok_s", ".1f"), ("speedup", ".2f"), ("hf_static_compile_tok_s", ".1f"),
-            ("speedup_vs_static_compile", ".2f"), ("roofline", ".0%")]  # fmt: skip
+    cols = [("requests", ""), ("path", ""), ("tok_s", ""), ("engine_ratio", "")]
     if "single" in r:
-        title = (
-            f"(a) single stream, {r['config']} {r['dtype']}, {r['threads']} threads, median of {r['single']['repeats']}"
-        )
-        console.print(table(title, [r["single"]], cols))
-    cols = [("requests", ""), ("engine_tok_s", ".0f"), ("engine_tok_s_min", ".0f"), ("engine_tok_s_max", ".0f"),
-            ("hf_one_by_one_tok_s", ".1f"), ("vs_one_by_one", ".1f"), ("hf_padded_tok_s", ".0f"),
-            ("hf_padded_tok_s_min", ".0f"), ("hf_padded_tok_s_max", ".0f"), ("vs_padded", ".2f"),
-            ("ttft_p50", ".2f"), ("ttft_p99", ".2f"), ("itl_p50", ".3f"), ("itl_p99", ".3f")]  # fmt: skip
+        s = r["single"]
+        rows = rate_rows(s, {"hf_tok_s": "speedup", "hf_static_compile_tok_s": "speedup_vs_static_compile"})
+        console.print(table(f"(a) single stream decode, {r['config']} {r['dtype']}, {r['threads']} threads: median "
+                            f"(min-max) of {s['repeats']} rounds, ratios round by round; roofline "
+                            f"{s['roofline']:.0%}", rows, cols))  # fmt: skip
     if "batch" in r:
-        console.print(table(f"(b, d) {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens (seconds)",
-                            r["batch"], cols))  # fmt: skip
+        rows = [x for b in r["batch"] for x in rate_rows(b, {k: f"vs_{k[3:-6]}" for k in PATHS if k != "engine_tok_s"})]
+        console.print(table(f"(b) N requests of {r['prompt_len']}-token prompts, {r['new_tokens']} new tokens each: "
+                            f"median (min-max) of {r['batch'][0]['repeats']} rounds, ratios round by round", rows,
+                            cols))  # fmt: skip
+        rows = [dict(requests=b["requests"], check=name, **c) for b in r["batch"] for name, c in b["check"].items()]
+        console.print(table("(b) greedy tokens on the same prompts: rows identical, common prefix (tokens)", rows,
+                            [("requests", ""), ("check", ""), ("identical_rows", ""), ("rows", ""),
+                             ("prefix_mean", ".1f"), ("prefix_min", ""), ("new_tokens", "")]))  # fmt: skip
+        console.print(table("(d) the engine's latencies in (b), its median run (seconds)", r["batch"],
+                            [("requests", ""), ("ttft_p50", ".2f"), ("ttft_p99", ".2f"), ("itl_p50", ".3f"),
+                             ("itl_p99", ".3f"), ("timed_compiles", "")]))  # fmt: skip
     if "prefix" in r:
         rows = [dict(cache=phase, radix=k, **p[k], speedup=p["speedup"] if k == "on" else None,
                      fewer_prefill_tokens=p["fewer_prefill_tokens"] if k == "on" else None)
@@ -374,6 +471,11 @@ def show(r: dict) -> None:
                             [("mixed_rows", ""), ("tok_s", ".1f"), ("tok_s_min", ".1f"), ("tok_s_max", ".1f"),
                              ("steps", ".0f"), ("ttft_p50", ".2f"), ("ttft_p99", ".2f"), ("itl_p50", ".3f"),
                              ("itl_p99", ".3f")]))  # fmt: skip
+    probes = [dict(r[k], when=k, loadavg=" ".join(f"{v:.2f}" for v in r[k]["loadavg"]))
+              for k in ("probe", "probe_end") if k in r]  # fmt: skip
+    console.print(table(f"machine: {r['probe']['cpu']}, {r['probe']['cores']} cores", probes,
+                        [("when", ""), ("read_gbs", ".1f"), ("copy_gbs", ".1f"), ("matmul_gflops", ".0f"),
+                         ("loadavg", "")]))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
