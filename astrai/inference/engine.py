@@ -38,6 +38,7 @@ from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.engine_config import EngineConfig, EngineStats
 from astrai.inference.errors import EngineBusyError, EngineDeadError, EngineInputError, RequestFailedError
+from astrai.inference.fast_paths import verify_at_start as verify_fast_paths
 from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
 from astrai.inference.grammar_check import compile_checked
 from astrai.inference.handle import RequestHandle
@@ -72,9 +73,9 @@ class Engine:
         # under tensor parallel every rank holds the KV of its own heads: size the pool from one rank's share
         device = tp_devices(tp_size)[0] if tp_size > 1 else model.device
         kv_cfg = tp_config(model.config, tp_size) if tp_size > 1 else model.config
-        # the tree the runner serves: the model's own, or a fused copy (made before the pool takes the free memory)
+        # the served tree: the model's own or a fused copy (made before the pool), unconfirmed GPU paths checked
         self._fuse = should_fuse(model, cfg.fuse_projections, tensor_parallel=tp_size > 1)
-        self._served = served_model(model, self._fuse)
+        self._fuse, self._served = verify_fast_paths(model, served_model(model, self._fuse), cfg)
         num_pages = self._num_pages(device, kv_bytes_per_token(kv_cfg, model.dtype))
         self.pool = PagePool(num_pages, cfg.page_size)
         self.radix = RadixCache(self.pool) if cfg.prefix_cache else None

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from astrai.inference import closing
+from astrai.inference import closing, fast_paths
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
 from astrai.inference.grammar import allocate_bitmask, error_summary, fill_bitmask_batch, matcher_error
 from astrai.inference.graphs import DecodeGraphs
@@ -211,13 +211,14 @@ class ModelRunner:
         # nor the wrapper's size asserts (~0.25 ms): `step.SERVED_STEP_OPTIONS`
         unguarded = {"options": SERVED_STEP_OPTIONS}
         self.compiled_decode = compile_step(decode_step, cfg=self.cfg, **unguarded) if compile_steps else None
+        auto_prefill = compile_prefill is None  # the default: on CUDA, unless it fails its start check
         if compile_prefill is None:  # on CPU the compiled prefill measured no faster and takes long to compile
-            compile_prefill = self.cuda
+            compile_prefill = fast_paths.on_gpu(self.device)
         compile_prefill = compile_steps and compile_prefill
         self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg, **unguarded) if compile_prefill else None
         self._sampler = torch.compile(sample, dynamic=True) if compile else sample
-        if self.compiled_prefill is not None:
-            self.warm_prefill()
+        if self.compiled_prefill is not None:  # warmed up; the default is checked on CUDA, eager if it fails
+            self.compiled_prefill = fast_paths.warm_prefill(self, check=auto_prefill)
         self.graphs = None
         if self.cuda and cuda_graphs and graphs_supported(model):
             self.graphs = self.make_decode_graphs(capture=True)

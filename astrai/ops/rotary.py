@@ -1,12 +1,22 @@
 """Rotary embedding on q and k (`rotary`), and with the KV store of a paged layer fused in (`rotary_kv_store_`):
-Triton kernels on CUDA, plain torch on CPU."""
+Triton kernels on CUDA, plain torch on CPU.
+
+`ASTRAI_FUSED_ROTARY_KV_STORE=0` (or false / no / off; read at import) makes `rotary_kv_store_` run its two steps
+on CUDA too (the Triton rotary kernel, then the Triton KV store); `FUSED_KV_STORE` is that switch, which the
+engine's start check (`astrai.inference.fast_paths`) turns off when the one-launch kernel fails it.
+"""
 
 from __future__ import annotations
+
+import os
 
 from torch import Tensor
 
 from astrai.ops.backend import attn_backend
 from astrai.ops.kv_store import kv_store_
+
+FUSED_KV_STORE_ENV = "ASTRAI_FUSED_ROTARY_KV_STORE"
+FUSED_KV_STORE = os.environ.get(FUSED_KV_STORE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> tuple[Tensor, Tensor]:
@@ -35,14 +45,30 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool 
     return rotary_ref(q, k, cos, sin, interleaved=interleaved)
 
 
+def fused_kv_store(q: Tensor) -> bool:
+    """Whether `rotary_kv_store_` runs as one launch for `q`: the Triton backend, with `FUSED_KV_STORE` on."""
+    return FUSED_KV_STORE and attn_backend(q) == "triton"
+
+
+def _fused_launch(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], slot_mapping: Tensor,
+    interleaved: bool, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
+) -> Tensor:  # fmt: skip
+    """The one-launch Triton kernel (`triton_kernels/rotary_kv_store.py`)."""
+    from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_ as fused_kernel_
+
+    return fused_kernel_(q, k, v, cos, sin, kv[0], kv[1], slot_mapping, interleaved, q_norm, k_norm, eps)
+
+
 def rotary_kv_store_(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], slot_mapping: Tensor,
     *, interleaved: bool = False, q_norm: Tensor | None = None, k_norm: Tensor | None = None, eps: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """Rotate q and k, write the rotated k and v into the pools `kv` at `slot_mapping` (in place; a negative slot
     writes nothing), and return the rotated q: `rotary` then `kv_store_`, in one Triton launch on CUDA
-    (`triton_kernels/rotary_kv_store.py`), the two steps elsewhere. With `q_norm` and `k_norm` (qwen3's per-head
-    RMSNorm gains [D], epsilon `eps`) q and k are normalised first, in the same launch on CUDA.
+    (`triton_kernels/rotary_kv_store.py`; unless `FUSED_KV_STORE` is off), the two steps elsewhere. With `q_norm`
+    and `k_norm` (qwen3's per-head RMSNorm gains [D], epsilon `eps`) q and k are normalised first, in the same
+    launch on CUDA.
 
     Args:
         q: [T, H, D]; k, v: [T, K, D] (any token/head strides, e.g. views of a fused qkv projection).
@@ -51,10 +77,8 @@ def rotary_kv_store_(
         slot_mapping: [T] int64 pool slot per token.
         q_norm, k_norm: RMSNorm gains [D] of q and k (both or neither), in q's dtype or float32.
     """
-    if attn_backend(q) == "triton":
-        from astrai.triton_kernels.rotary_kv_store import rotary_kv_store_ as fused_kernel_
-
-        return fused_kernel_(q, k, v, cos, sin, kv[0], kv[1], slot_mapping, interleaved, q_norm, k_norm, eps)
+    if fused_kv_store(q):
+        return _fused_launch(q, k, v, cos, sin, kv, slot_mapping, interleaved, q_norm, k_norm, eps)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together: pass both gains or neither")
     if q_norm is not None:
