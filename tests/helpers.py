@@ -317,3 +317,49 @@ def assert_compiles_for_gpu(script: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def random_biases(params, *, seed: int = 0, std: float = 0.1):
+    """`params` with every bias leaf (each name ending in `bias`: the projections' biases, MoE's routing bias)
+    replaced by seeded normal(0, `std`) values in its dtype and device; the other leaves are shared, not copied.
+
+    `init_params` makes biases zero, so a test on it cannot see a bias added twice (on every tensor-parallel rank),
+    taken from the wrong shard or multiplied by an int8 scale. Raises ValueError when the tree has no bias: a caller
+    that meant to test biases would silently test none.
+    """
+    from astrai.tree import from_named_tensors, named_tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    named = named_tensors(params)
+    if not any(name.endswith("bias") for name in named):
+        raise ValueError("the tree has no bias leaf to fill (turn on the config's bias switches)")
+    filled = {
+        name: (torch.randn(t.shape, generator=gen) * std).to(t.dtype).to(t.device) if name.endswith("bias") else t
+        for name, t in named.items()
+    }
+    return from_named_tensors(params, filled)
+
+
+@contextlib.contextmanager
+def cpu_kernels_off():
+    """Run the block as under `ASTRAI_CPU_KERNELS=0`: the variable is set and the process's kernel library is
+    swapped for a disabled one, so `supports()` answers False and int8/fp32 products take the widened or loop path;
+    both are restored after. (`astrai.cpu_kernels.library` reads the variable once per process, at its first load.)
+    """
+    import os
+
+    from astrai.cpu_kernels import decode_attention, library, matvec
+
+    saved = (os.environ.get("ASTRAI_CPU_KERNELS"), library._LIBRARY, matvec._KERNELS, decode_attention._KERNELS)
+    os.environ["ASTRAI_CPU_KERNELS"] = "0"
+    library._LIBRARY = library.Library(reason="disabled by ASTRAI_CPU_KERNELS=0")
+    # fresh binding caches: bound while disabled they would stay empty (and the kernels off) for the whole process
+    matvec._KERNELS, decode_attention._KERNELS = {}, None
+    try:
+        yield
+    finally:
+        env, library._LIBRARY, matvec._KERNELS, decode_attention._KERNELS = saved
+        if env is None:
+            os.environ.pop("ASTRAI_CPU_KERNELS", None)
+        else:
+            os.environ["ASTRAI_CPU_KERNELS"] = env

@@ -2,7 +2,8 @@
 
 Two ranks (rank 0 in this process, rank 1 spawned) against one process: greedy outputs are equal under staggered
 arrivals (requests joining while others decode, prefix-cache hits, chunked prefill) for a GQA model and for
-DeepSeek's MLA + MoE (replicated latent cache, expert parallel). Failure: killing rank 1 fails the in-flight
+DeepSeek's MLA + MoE (replicated latent cache, expert parallel), both with random non-zero biases on every
+projection that can carry one (row-parallel ones are added on rank 0 only). Failure: killing rank 1 fails the in-flight
 request with a message naming the rank, and a server whose rank dies exits with that message in bounded time.
 """
 
@@ -25,41 +26,46 @@ from astrai.inference.params import SamplingParams
 from astrai.inference.tp import TPRunner
 from astrai.io.model import Model
 from astrai.models.decoder import init_params
-from helpers import tiny_model_dir
+from helpers import random_biases, tiny_model_dir
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 30, 31], [40] * 20]
 
 
-def _staggered(model: Model, tp: int) -> list[tuple[int, ...]]:
-    """Greedy outputs of PROMPTS, one request joining every 3 steps (small step budget: chunked prefill)."""
+def _staggered(model: Model, tp: int) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Greedy outputs of PROMPTS, one request joining every 3 steps (small step budget: chunked prefill), and the
+    chosen tokens' logprobs [4, 10] (a wrong logit shows there before it flips a greedy token)."""
     cfg = EngineConfig(compile=False, tensor_parallel_size=tp, kv_budget_tokens=256, page_size=4,
                        max_step_tokens=8, max_running=4, background=False, seed=0)  # fmt: skip
-    params = SamplingParams(max_tokens=10, temperature=0.0)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
     with Engine(model, cfg) as engine:
         handles, pending, steps = [], list(PROMPTS), 0
         while pending or engine.step():
             if pending and steps % 3 == 0:
                 handles.append(engine.submit(pending.pop(0), params))
             steps += 1
-        return [h.result().outputs[0].token_ids for h in handles]
+        outs = [h.result().outputs[0] for h in handles]
+        return [o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs])
 
 
-def _tp_worker_configs():
-    """The tiny per-family configs of the tensor-parallel model checks (tests/astrai/models/tp_worker.py)."""
+def _tp_worker():
+    """The tensor-parallel model checks' worker module (tests/astrai/models/tp_worker.py): its tiny configs."""
     path = Path(__file__).parents[1] / "models" / "tp_worker.py"
     spec = importlib.util.spec_from_file_location("tp_worker", path)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    return worker.configs()
+    return worker
 
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_two_ranks_generate_what_one_does(family):
-    cfg = tiny(vocab_size=101) if family == "qwen3" else _tp_worker_configs()[family]
-    model = Model(config=cfg, params=init_params(cfg, seed=1))
-    one = _staggered(model, 1)
-    two = _staggered(model, 2)
+    worker = _tp_worker()
+    cfg = worker.with_biases(tiny(vocab_size=101) if family == "qwen3" else worker.configs()[family])
+    # small biases: std 0.01 and up made these tiny random models repeat one token for every prompt
+    model = Model(config=cfg, params=random_biases(init_params(cfg, seed=1), seed=2, std=0.005))
+    one, one_logprobs = _staggered(model, 1)
+    two, two_logprobs = _staggered(model, 2)
     assert two == one
+    assert (two_logprobs - one_logprobs).abs().max() <= 1e-4
     assert len({len(o) for o in one}) == 1 and len(set(one)) == len(one)  # real, distinct generations
 
 

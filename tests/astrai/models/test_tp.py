@@ -1,10 +1,11 @@
 """Tensor parallel (`astrai.models.tp`, `astrai.ops.collectives`): 2 gloo ranks equal one process in fp32.
 
-Per family (llama with one KV head for two ranks, tied embeddings over an odd vocab and every bias; qwen3 with
-qk-norm; qwen3_moe and qwen2_moe with expert parallel and a gated shared expert; deepseek_v3 with MLA and grouped
-sigmoid routing): dense logits, paged prefill + decode through the KV pool, the gradients of a next-token loss
-(the 1-process gradient sharded the same way is the reference), and unsharding back to the full tree. The
-negative control: without `reduce_partial_grads` some gradients are wrong.
+Per family (llama with one KV head for two ranks and tied embeddings over an odd vocab; qwen3 with qk-norm;
+qwen3_moe and qwen2_moe with expert parallel and a gated shared expert; deepseek_v3 with MLA and grouped sigmoid
+routing), each with every bias its config can carry, filled with random non-zero values: dense logits, paged
+prefill + decode through the KV pool, the gradients of a next-token loss (the 1-process gradient sharded the same
+way is the reference), and unsharding back to the full tree. Negative controls: without `reduce_partial_grads`
+some gradients are wrong; a row-parallel bias (o_proj, down_proj) on every rank instead of once gives wrong logits.
 """
 
 import importlib.util
@@ -46,6 +47,15 @@ def test_two_ranks_equal_one_process(results, family):
     assert r["unshard_names_equal"] and r["unshard_max_diff"] == 0.0
     # each rank holds about half the parameters (norms, routers and MLA down-projections are replicated)
     assert r["shard_numel"] < 0.6 * r["full_numel"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_bias_is_random_and_a_row_bias_counts_once(results, family):
+    r = results[family]
+    # zero biases (init_params') would hide a row-parallel bias added on every rank or unsharded wrongly
+    assert r["nonzero_bias_leaves"] == r["bias_leaves"] and r["row_bias_leaves"] >= 2  # o_proj in each layer
+    # negative control: the row-parallel biases on both ranks are added twice, far past the tolerance above
+    assert r["row_bias_on_every_rank_max_diff"] > 1e-2 * max(1.0, r["logits_scale"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -2,8 +2,10 @@
 
 For every family each rank builds the full random model and its own shard, then compares, in fp32:
 dense logits, a paged prefill + decode through the KV pool, the gradients of a next-token loss (the full
-model's gradient tree, sharded the same way, is the reference) and `unshard_params`. Writes rank 0's
-measurements to `<out>/<family>.json`.
+model's gradient tree, sharded the same way, is the reference) and `unshard_params`. Every family runs with every
+bias its config can carry (`with_biases`), filled with random values (`helpers.random_biases`): `init_params` makes
+them zero, and a zero bias hides a row-parallel bias added on every rank or unsharded from the wrong one. Writes
+rank 0's measurements to `<out>/<family>.json`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import attrs
 import torch
@@ -22,8 +25,12 @@ from astrai.models.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from astrai.models.decoder import forward, init_params
 from astrai.models.quantize import quantize_params
 from astrai.models.tp import reduce_partial_grads, region_replicated, shard_params, tp_config, unshard_params
+from astrai.nn.mlp import MLPParams
 from astrai.ops.collectives import TensorParallel
-from astrai.tree import leaves, named_tensors, tree_map
+from astrai.tree import leaves, named_tensors, replace, tree_map
+
+sys.path.insert(0, str(Path(__file__).parents[2]))  # tests/, for `helpers` when run as a rank script
+from helpers import random_biases  # noqa: E402
 
 
 def _base(**kw) -> dict:
@@ -81,6 +88,24 @@ def configs() -> dict[str, ModelConfig]:
     }
 
 
+def with_biases(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with every bias switch on: q/k/v, o_proj and the dense MLP's gate/up/down (MLA: q_a, kv_a, o_proj).
+    MoE experts, shared experts and routers have no bias in any family."""
+    return attrs.evolve(cfg, attention_bias=True, attention_out_bias=True, mlp_bias=True)
+
+
+def _row_biases_on_every_rank(shard, full):
+    """`shard` with each row-parallel projection's (o_proj, dense down_proj) whole bias on this rank too: the bug
+    that adding the bias once (on rank 0, before the sum) avoids. The negative control of the bias layout."""
+    blocks = []
+    for s, f in zip(shard.blocks, full.blocks, strict=True):
+        mlp = s.mlp
+        if isinstance(mlp, MLPParams):
+            mlp = replace(mlp, down_proj=replace(mlp.down_proj, bias=f.mlp.down_proj.bias))
+        blocks.append(replace(s, attn=replace(s.attn, o_proj=replace(s.attn.o_proj, bias=f.attn.o_proj.bias)), mlp=mlp))
+    return replace(shard, blocks=tuple(blocks))
+
+
 def _paged_logits(params, cfg, tp, prompts: list[list[int]], decode_tokens: list[int]) -> torch.Tensor:
     """Prefill `prompts` together, then one decode step per sequence; returns both steps' logits stacked."""
     page = 4
@@ -101,7 +126,7 @@ def _paged_logits(params, cfg, tp, prompts: list[list[int]], decode_tokens: list
 
 
 def check(name: str, cfg: ModelConfig, tp: TensorParallel) -> dict:
-    full = init_params(cfg, seed=3)
+    full = random_biases(init_params(cfg, seed=3), seed=4)
     local_cfg = tp_config(cfg, tp.size)
     shard = shard_params(full, cfg, tp)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -111,6 +136,12 @@ def check(name: str, cfg: ModelConfig, tp: TensorParallel) -> dict:
     got = forward(shard, local_cfg, tokens, tp=tp)
     out["dense_max_diff"] = (ref - got).abs().max().item()
     out["logits_scale"] = ref.abs().max().item()
+    biases = {n: t for n, t in named_tensors(full).items() if n.endswith("bias")}
+    out["bias_leaves"] = len(biases)
+    out["nonzero_bias_leaves"] = sum(bool(t.abs().min() > 0) for t in biases.values())
+    out["row_bias_leaves"] = sum(".o_proj." in n or ".down_proj." in n for n in biases)
+    twice = forward(_row_biases_on_every_rank(shard, full), local_cfg, tokens, tp=tp)
+    out["row_bias_on_every_rank_max_diff"] = (ref - twice).abs().max().item()
 
     prompts, nxt = [[5, 9, 3, 7, 1], [2, 4, 6]], [11, 13]
     out["paged_max_diff"] = (
@@ -180,7 +211,7 @@ def main() -> None:
     torch.manual_seed(0)
     dist.init_process_group("gloo")
     tp = TensorParallel(rank=dist.get_rank(), size=dist.get_world_size())
-    cfgs = configs()
+    cfgs = {name: with_biases(cfg) for name, cfg in configs().items()}
     for name in names:
         result = check(name, cfgs[name], tp)
         if tp.rank == 0:
