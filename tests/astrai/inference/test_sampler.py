@@ -123,6 +123,18 @@ def test_top_p_keeps_the_minimal_set_reaching_p(p):
         assert dropped.numel() == 0 or dropped.max() <= smallest, "kept set is not the most likely tokens"
 
 
+def test_top_p_boundary_mass_exactly_p_keeps_only_the_set_reaching_it():
+    """Probabilities exactly [0.5, 0.25, 0.25] (logits [ln 2, 0, 0]; float32 softmax is exact here) with top_p =
+    0.5: the first token alone reaches p, so the nucleus is {0} (by hand, and transformers' TopPLogitsWarper,
+    which drops ascending cumulative mass <= 1 - p, agrees). Random logits never hit this boundary, so it is the
+    one check that a `<=` in place of `<` (keep tokens whose preceding mass equals p) would fail."""
+    logits = torch.tensor([[math.log(2.0), 0.0, 0.0]])
+    assert logits.softmax(-1)[0].tolist() == [0.5, 0.25, 0.25]  # the premise: exact in float32
+    kept = ~process_logits(logits, _batch([P(top_p=0.5)], 3)).isinf()
+    reference = ~TopPLogitsWarper(0.5)(None, logits.clone()).isinf()
+    assert kept[0].tolist() == [True, False, False] == reference[0].tolist()
+
+
 def test_min_p_and_logit_bias_definitions():
     logits = torch.randn(4, 50) * 2
     batch = _batch([P(min_p=m, temperature=0.7) for m in (0.0, 0.05, 0.3, 1.0)], 50)
