@@ -28,9 +28,9 @@ from astrai.io.model import Model
 from astrai.models.decoder import init_params
 from astrai.nn import attention as attention_module
 from astrai.ops.kv_store import kv_store_
+from astrai.tree import replace
 from astrai.triton_kernels import _launch
 from astrai.triton_kernels.rotary_kv_store import rms_norm_ref
-from astrai.tree import replace
 
 PATHS = ("rotary_kv_store", "tuned_launch", "fuse_projections", "compiled_prefill")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -238,6 +238,11 @@ def test_cpu_engines_never_run_the_checks(model, reference, monkeypatch, verify)
     for fuse in (None, True, False):
         with Engine(model, _config(fuse_projections=fuse)) as engine:
             assert _tokens(engine) == reference
+    # the Triton kernels on CPU tensors (under the interpreter): the fused rotary + store and the tuned launch are
+    # in use, on a CPU engine, and still not checked (the engine is only started: the interpreter is slow)
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", "triton")
+    assert rotary_op.fused_kv_store(torch.empty(0)) and _launch.CACHE_CONFIGS
+    Engine(model, _config()).shutdown()
 
 
 def test_the_comparison_against_the_tolerance():
