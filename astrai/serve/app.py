@@ -1,7 +1,9 @@
-"""The Starlette app: OpenAI- and Anthropic-compatible routes around one `Engine`, plus health and metrics.
+"""The Starlette app: OpenAI- and Anthropic-compatible routes around one `Engine`, plus health, metrics and vLLM's
+operational routes (`vllm_api`: /tokenize, /detokenize, /version, /ping).
 
 `build_app(engine, ...)` returns the ASGI app; `astrai serve` runs it on uvicorn. A pure-ASGI guard in front of
-the routes (`Guard`) enforces the optional API key (`Authorization: Bearer KEY` or `x-api-key: KEY`), loopback
+the routes (`Guard`) enforces the optional API key (`Authorization: Bearer KEY` or `x-api-key: KEY`; on /v1/*,
+/tokenize, /detokenize and /metrics, while /health, /ping and /version stay open for probes), loopback
 `Host` names on loopback connections, JSON-only POSTs, and the body's size and deadline (counted as it arrives),
 and counts requests by endpoint and status; 404/405 come in the API's error shape too. Connection-level limits
 (request-head deadline, open connections) are `server.py`'s. No model code lives in the handlers: they map API fields to
@@ -28,11 +30,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
-from astrai.serve import anthropic_api, embeddings_api, openai_api
+from astrai.serve import anthropic_api, embeddings_api, openai_api, vllm_api
 from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they run the tokenizer (vLLM leaves them open)
 LINGER_S = 0.25  # after an early answer, read (and drop) the rest of the body this long: closing on unread data
 # resets the connection, and a reset can reach the client before it has read the answer
 
@@ -125,11 +128,12 @@ class Guard:
         if not self._host_allowed(host, scope):
             return APIError(400, f"the Host {host!r} is not allowed for this server; list it with --allowed-hosts")
         key, path = self.state.api_key, scope["path"]
-        protected = path.startswith("/v1/") or (path == "/metrics" and not self.state.metrics_public)
+        protected = (path.startswith("/v1/") or path in KEYED_PATHS
+                     or (path == "/metrics" and not self.state.metrics_public))  # fmt: skip
         if key and protected and not _key_matches(key, headers):
             return APIError(401, "invalid or missing API key", type="authentication_error")
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
-        if scope["method"] == "POST" and media != "application/json":
+        if scope["method"] == "POST" and media != "application/json" and path != "/ping":  # SageMaker's bare POST
             return APIError(415, f"POST bodies must be JSON sent as Content-Type: application/json, not {media!r}")
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if scope["method"] == "POST" and encoding not in ("", "identity"):
@@ -192,10 +196,14 @@ def _basic_routes(state: ServerState) -> list[Route]:
         return JSONResponse(body if down is None else {**body, "error": down}, status_code=200 if down is None else 503)
 
     async def metrics(request: Request) -> Response:
-        text = state.metrics.render(state.engine.stats(), up=state.engine.unavailable is None)
+        radix = state.engine.radix
+        prefix = (radix.query_tokens, radix.hit_tokens) if radix is not None else (0, 0)
+        text = state.metrics.render(state.engine.stats(), up=state.engine.unavailable is None, prefix_tokens=prefix)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai"}
+    # vLLM's card fields too: routers and clients read max_model_len (the context a request may fill)
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
+            "root": state.model_name, "parent": None, "max_model_len": state.context}  # fmt: skip
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [card]})
@@ -209,7 +217,7 @@ def _basic_routes(state: ServerState) -> list[Route]:
 
     return [Route("/health", route(openai_error, health)), Route("/metrics", route(openai_error, metrics)),
             Route("/v1/models", route(openai_error, models)),
-            Route("/v1/models/{name:path}", route(openai_error, model))]  # fmt: skip
+            Route("/v1/models/{name:path}", route(openai_error, model)), *vllm_api.routes(state, health)]  # fmt: skip
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -261,6 +269,7 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
     routes = _basic_routes(state) + openai_api.routes(state) + embeddings_api.routes(state)
     routes += anthropic_api.routes(state)
     state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
+    state.metrics.model_name = model_name  # the vllm: families' model_name label
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = state
     app.add_exception_handler(404, _http_error)
