@@ -4,12 +4,16 @@ Two references. A model whose weights are already on the int8 grid (integer rows
 `dequantize_params(quantize_params(p))`) quantizes exactly, so its quantized logits equal the float model's
 to rounding and greedy text is identical, through `forward`, the compiled step and the engine. On plain random
 weights the quantized logits stay within a stated tolerance of fp32, and differ from them (negative control).
+The forward checks run with random non-zero biases on every projection that can carry one (`init_params` makes
+them zero, which hides a bias scaled by the int8 scale), with the CPU kernels and as under `ASTRAI_CPU_KERNELS=0`,
+and in bf16 on both sides of the kernel's row bound (past it the weight is widened, the branch CUDA takes).
 Tensor-parallel shards of a quantized tree: tests/astrai/models/test_tp.py.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,27 +24,54 @@ from astrai.io.model import Model, load, save
 from astrai.models.decoder import forward, init_params
 from astrai.models.quantize import dequantize_params, is_quantized, quantize_params
 from astrai.nn.lora import LoRAConfig, apply_lora, init_lora
+from astrai.ops.linear import INT8_EAGER_MAX_ROWS
 from astrai.tree import named_tensors, nbytes
-from helpers import tiny_model_dir
-from tests.astrai.models.tp_worker import configs
+from helpers import cpu_kernels_off, random_biases, tiny_model_dir
+from tests.astrai.models.tp_worker import configs, with_biases
 
-FAMILIES = ["llama", "qwen3_moe", "qwen2_moe", "deepseek_v3"]  # tied head + biases, MoE, shared expert, MLA
+FAMILIES = ["llama", "qwen3_moe", "qwen2_moe", "deepseek_v3"]  # tied head, MoE, shared expert, MLA
 
 
 def on_grid(cfg, seed=0):
-    """Float params every quantizable weight of which is exactly representable in int8 with a per-row scale."""
-    return dequantize_params(quantize_params(init_params(cfg, seed=seed)))
+    """Float params every quantizable weight of which is exactly representable in int8 with a per-row scale, and
+    whose biases (kept in float by quantization) are random where `cfg` has them."""
+    params = dequantize_params(quantize_params(init_params(cfg, seed=seed)))
+    return random_biases(params, seed=seed + 100) if cfg.attention_bias else params
+
+
+@pytest.fixture(params=["kernels", "no_kernels"])
+def kernels(request) -> Iterator[bool]:
+    """Whether the CPU kernels may run: once as they are here, once as under `ASTRAI_CPU_KERNELS=0`."""
+    if request.param == "kernels":
+        yield True
+    else:
+        with cpu_kernels_off():
+            yield False
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_on_grid_weights_give_the_float_logits(family):
-    cfg = configs()[family]
+def test_on_grid_weights_give_the_float_logits(family, kernels):
+    # 20 rows of fp32: the CPU kernel with the kernels, else the widened weight through F.linear
+    cfg = with_biases(configs()[family])
     exact = on_grid(cfg)
     q = quantize_params(exact)
     assert torch.equal(dequantize_params(q).blocks[0].attn.o_proj.weight, exact.blocks[0].attn.o_proj.weight)
+    assert q.blocks[0].attn.o_proj.bias.abs().min() > 0  # random, kept in float
     tokens = torch.randint(0, cfg.vocab_size, (2, 10))
     ref = forward(exact, cfg, tokens)
     assert (forward(q, cfg, tokens) - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [8, INT8_EAGER_MAX_ROWS[torch.bfloat16] + 8])
+def test_bf16_int8_with_biases_on_both_sides_of_the_kernel_rows(rows, kernels):
+    # a bf16 model: up to 24 rows the kernel (with the kernels), past them the widened weight in bf16. Reference:
+    # the float model the quantized tree stands for (its dequantized weights and its biases), in fp32
+    cfg = with_biases(configs()["llama"])
+    q = quantize_params(astrai.tree.cast(random_biases(init_params(cfg, seed=4), seed=5), torch.bfloat16))
+    tokens = torch.randint(0, cfg.vocab_size, (1, rows))
+    ref = forward(astrai.tree.cast(dequantize_params(q), torch.float32), cfg, tokens)
+    diff = (forward(q, cfg, tokens).float() - ref).abs().max().item()
+    assert diff <= 2e-2 * max(1.0, ref.abs().max().item())  # bf16 activations
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -65,8 +96,8 @@ def test_compiled_decode_step_equals_eager(dtype, rows):
     from astrai.cpu_kernels import matvec
     from astrai.ops.linear import MIN_KERNEL_ROWS_INT8
 
-    cfg = configs()["qwen3_moe"]
-    q = quantize_params(astrai.tree.cast(init_params(cfg, seed=2), dtype))
+    cfg = with_biases(configs()["qwen3_moe"])  # random biases: fp32's one row is the loop's own bias add
+    q = quantize_params(astrai.tree.cast(random_biases(init_params(cfg, seed=2), seed=3), dtype))
     tokens = torch.randint(0, cfg.vocab_size, (rows, 1))
     torch._dynamo.reset()
     compiled = torch.compile(lambda p, t: forward(p, cfg, t), fullgraph=False, dynamic=False)
