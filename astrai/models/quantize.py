@@ -3,8 +3,9 @@
 Every projection's weight becomes int8 with one fp scale per output row (`astrai.ops.quant`); activations,
 norms, biases and the KV cache keep the model's dtype. The quantized tree is an ordinary parameter tree: the
 same `forward`, engine and compiled steps run it, because `linear()` and `embed()` read the `scale` leaf
-beside an int8 weight. Decode streams a quarter of fp32's weight bytes (half of bf16's); on a 2-core CPU the
-compiled decode step runs ~2x the fp32 one (docs/benchmarks.md, `benchmarks/bench_quant.py`).
+beside an int8 weight. Decode streams a quarter of fp32's weight bytes (half of bf16's); on a 2-core CPU a single
+stream decodes 1.5-2.4x as fast as astrai's compiled fp32 (9 scripted runs of `benchmarks/bench_quant.py`), while
+batched steps of 16-32 rows run 0.8-1.06x the fp32 step's speed (4 runs; docs/benchmarks.md).
 
 What stays in the model's dtype, and why:
 - RMSNorm weights and biases: tiny, and precision there matters more than bytes.

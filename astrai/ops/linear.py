@@ -14,7 +14,8 @@ fp32 (one fp32 row keeps inductor's loop, fused with its neighbours); eager, fro
 to 32 rows compiled and 24 eager (`INT8_KERNEL_MAX_ROWS`, `INT8_EAGER_MAX_ROWS`); with fp32 any number: past 21
 rows the kernel runs a blocked GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`,
 prefill). Without the kernel, few-row compiled products take the loop, which does the widening in registers too
-(measured 2.3-3.4x the fp32 loop on this box, docs/benchmarks.md). Elsewhere (more bf16 rows, GPU) the weight is
+(faster than the fp32 loop in ad hoc runs; the scripted figures are `bench_packed_linear.py --int8`'s, in
+docs/benchmarks-history.md). Elsewhere (more bf16 rows, GPU) the weight is
 widened to the input's dtype and multiplied as usual, the scale applied to the product's columns; under
 `torch.compile` on GPU inductor fuses the widening into the matmul.
 
