@@ -259,3 +259,18 @@ def test_the_comparison_against_the_tolerance():
     assert fast_paths.run_check(path, lambda f: nan if f else ref, torch.float32).ok is False
     assert fast_paths.run_check(path, lambda f: ref[:2] if f else ref, torch.float32).ok is False
     assert fast_paths.run_check(path, lambda f: ref, torch.float32).error == 0.0
+
+
+@pytest.mark.gpu
+def test_every_check_passes_on_cuda(model):
+    """On a GPU: the real fast paths against the confirmed ones (fp32), as `benchmarks/check_fast_paths.py` runs them
+    for the records, and an engine with every default starts without a fallback."""
+    from astrai.tree import tree_map
+
+    cuda = Model(config=model.config, params=tree_map(lambda t: t.cuda(), model.params))
+    results = fast_paths.confirm(cuda, page_size=16)
+    assert {r.name for r in results} == {"rotary_kv_store", "tuned_launch", "fuse_projections"}, results
+    assert all(r.ok for r in results), results
+    with Engine(cuda, EngineConfig(background=False, kv_budget_tokens=512, max_running=4)) as engine:
+        assert engine._fuse and engine.runner.compiled_prefill is not None
+        assert rotary_op.FUSED_KV_STORE and _launch.CACHE_CONFIGS
