@@ -2,12 +2,14 @@
 
 Sections (one run, side by side):
   (a) single stream: batch-1 greedy decode tok/s, engine (compiled decode) vs transformers eager (DynamicCache)
-      and transformers' fastest path (static cache + `torch.compile`), each warmed up, then `--repeats` runs
-      alternating, reported as the median with min-max; roofline fraction.
-  (b) N requests of P-token prompts and G new tokens: engine throughput (all submitted at once) vs
-      transformers one by one (timed on a few requests, per-request rate) and vs transformers' padded-batch
-      `generate`; the engine and the padded batch run `--repeats` times each, alternating (other prompts per
-      engine run, so the radix cache gains nothing), reported as the median with min-max.
+      and transformers' fastest path (static cache + `torch.compile`), each warmed up, then `--repeats` rounds
+      as in (b), reported as the median with min-max (ratios round by round); roofline fraction.
+  (b) N requests of P-token prompts and G new tokens: engine throughput (all submitted at once) vs transformers'
+      padded-batch `generate` and vs transformers one by one (the first `--one-by-one` requests in turn), each
+      through eager (DynamicCache) and, but under --smoke, static cache + `torch.compile` (warmed untimed at the
+      exact timed shapes; its greedy tokens checked against eager's on the same prompts, as are the engine's).
+      `--repeats` rounds, each running every path once in a rotated order (other prompts per engine run, so the
+      radix cache gains nothing); each rate and each ratio (taken round by round) as the median with min-max.
   (c) 16 requests sharing an S-token system prompt: prefill tokens computed and wall time, radix on vs off,
       cold (nothing cached: the batch's first prefill computes the system prompt) and warm (a second batch
       with the system prompt already cached).
@@ -18,7 +20,8 @@ Sections (one run, side by side):
       decoding rows of those steps through the decode attention kernel vs the reference, alternating.
 The engine steps on the benchmark's thread (`EngineConfig(background=False)`, the offline mode); see
 docs/inference.md for why a background engine thread is slower on a 2-core CPU.
-Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds;
+The machine (bench_throughput's probe: read/copy GB/s, matmul GFLOP/s; and the load average) is recorded at the start
+and the end. Prints rich tables and the JSON report as the last stdout line. `--smoke` runs a tiny config in seconds;
 `--skip a b c` leaves sections out (`--overlap --skip a b c` runs (f) alone).
 """
 
