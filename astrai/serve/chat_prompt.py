@@ -24,6 +24,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_promp
                                       "raise_exception", "strftime_now", "dict", "namespace"})  # fmt: skip
 
 
+TEMPLATE_FIELDS = {"reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+                   "verbosity": ("low", "medium", "high")}  # fmt: skip
+"""Top-level OpenAI fields that reach the chat template as variables of the same name, as vLLM passes them (a
+template that reads `reasoning_effort`, such as gpt-oss's, honours it; others ignore it). litellm, langchain and the
+agents SDK's `ModelSettings(reasoning=...)` send them."""
+
+
 def _has_special_text(value: Any, texts: tuple[str, ...]) -> bool:
     if isinstance(value, str):
         return any(t in value for t in texts)
@@ -33,7 +40,7 @@ def _has_special_text(value: Any, texts: tuple[str, ...]) -> bool:
 
 
 def _template_kwargs(body: dict, special_texts: tuple[str, ...]) -> dict[str, Any]:
-    """Extra chat-template variables: `chat_template_kwargs` and `documents`.
+    """Extra chat-template variables: `chat_template_kwargs`, `documents` and `TEMPLATE_FIELDS`.
 
     Their strings are template input, not message content, so special-token text in them would become control
     tokens: it is refused unless `special_texts` is empty (special tokens allowed in content).
@@ -57,6 +64,15 @@ def _template_kwargs(body: dict, special_texts: tuple[str, ...]) -> dict[str, An
     docs = kwargs.get("documents")
     if docs is not None and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
         raise bad("documents", f"documents must be a list of objects, got {show(docs)}")
+    for key, allowed in TEMPLATE_FIELDS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if value not in allowed:
+            raise bad(key, f"{key} must be one of {', '.join(allowed)}, got {show(value)}")
+        if key in kwargs:
+            raise bad(key, f"give {key} either as the {key} field or in chat_template_kwargs")
+        kwargs = {**kwargs, key: value}
     for key, value in kwargs.items():
         if _has_special_text(value, special_texts):
             where = "documents" if key == "documents" and documents is not None else f"chat_template_kwargs.{key}"

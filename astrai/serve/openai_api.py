@@ -35,7 +35,6 @@ vLLM's do), followed by the generated ones. `max_tokens: 0` with echo only echoe
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,6 +52,7 @@ from astrai.serve import common
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from astrai.serve.reasoning import new_parsers, prompt_start, sort_events, split
+from astrai.serve.sampling_fields import response_id
 from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import Event, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
 from astrai.serve.tool_parsers import new_parser, parse
@@ -199,7 +199,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
                                allow_special_tokens=state.allow_special_tokens_in_content,
                                defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
     await _compile_grammar(state, chat.params)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.model_name}
     if state.log_requests:
         common.log_request(head["id"], request.url.path, body.get("messages"), chat.params)
     handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
@@ -312,7 +312,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
                               max_sequences=state.max_waiting)  # fmt: skip
     if req.prompts:
         await _compile_grammar(state, req.prompts[0].params)  # every prompt has the same grammar
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    head = {"id": response_id(body, "cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip
     if state.log_requests:
         several = len(req.prompts) > 1  # then body["prompt"] is the list of them

@@ -36,8 +36,11 @@ Chat completions accept:
 - no-ops: `model` may be any string (the served name is echoed); `user`, `store`, `metadata`, `service_tier`,
   `safety_identifier`,
   `prompt_cache_key` are accepted and ignored.
-- structured output (both routes): `response_format` (text, json_object, json_schema) or one of vLLM's
-  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (`sampling_fields.grammar_spec`; the engine
+- client extras: `reasoning_effort` and `verbosity` reach the chat template as variables (`chat_prompt`), as vLLM
+  passes them; `request_id` (both routes) names the reply (`chatcmpl-<request_id>`).
+- structured output (both routes): `response_format` (text, json_object, json_schema; or TGI's `{"type", "value"}`)
+  or vLLM's `structured_outputs` or one of its older `guided_json`, `guided_regex`, `guided_choice`,
+  `guided_grammar` (`sampling_fields.grammar_spec`; the engine
   compiles it, a grammar that does not compile is a 400 naming the field). Combined with a forced tool call
   (tool_choice "required" or named, itself a grammar) it is a 400: two constraints on one output.
 - rejected with a 400: `functions` / `function_call` (the deprecated API: use tools), `audio` / non-text
@@ -100,8 +103,8 @@ NO_OPS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_
 CHAT_FIELDS = SAMPLING_FIELDS | NO_OPS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "modalities",
     "chat_template_kwargs", "documents", "continue_final_message", "add_generation_prompt", "echo",
-    "add_special_tokens"}  # fmt: skip
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"user", "prompt", "logprobs", "echo", "add_special_tokens"}
+    "add_special_tokens", "reasoning_effort", "verbosity", "request_id"}  # fmt: skip
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"user", "prompt", "logprobs", "echo", "add_special_tokens", "request_id"}
 _CHAT_UNSUPPORTED = {**UNSUPPORTED, "functions": "use tools", "function_call": "use tool_choice",
                      "audio": "audio output", "prediction": "predicted outputs",
                      "chat_template": "per-request templates; start the server with --chat-template"}  # fmt: skip

@@ -12,19 +12,25 @@ fill the fields a request leaves unset (absent or null); a value in the request 
 `max_tokens` from the defaults replaces the route's own default (the rest of the context for chat, 16 for
 completions) and is still capped to the room the context leaves.
 
-Structured output (`grammar_spec`), on both routes: `response_format` `{"type": "json_object"}` or
-`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (`{"type": "text"}` is no constraint), and
-vLLM's `guided_json` (a schema object or its JSON text), `guided_regex`, `guided_choice` (a list of strings) and
-`guided_grammar` (Lark, or GBNF as llama.cpp writes it) become `SamplingParams.grammar`, a `GrammarSpec` whose
-`param` names the field. At most one of them per request (a second is a 400 naming it). The shape is checked here;
-the engine compiles the grammar (`Engine.compile_grammar`; a grammar that does not compile is a 400 naming the field).
+Structured output (`grammar_spec`), on both routes: `response_format` `{"type": "json_object"}` or `{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}` (`{"type": "text"}` is no constraint; TGI's `{"type":
+"json" | "regex" | ..., "value": ...}` too), vLLM's `structured_outputs` (one of json, regex, choice, grammar,
+json_object) and its older `guided_json` (a schema object or its JSON text), `guided_regex`, `guided_choice` (a list
+of strings) and `guided_grammar` (Lark, or GBNF as llama.cpp writes it) become `SamplingParams.grammar`, a
+`GrammarSpec` whose `param` names the field. At most one of them per request (a second is a 400 naming it). The shape
+is checked here; the engine compiles the grammar (`Engine.compile_grammar`; a grammar that does not compile is a 400
+naming the field).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Mapping
 from typing import Any
+
+import attrs
 
 from astrai.inference.params import MAX_N, GrammarSpec, SamplingParams
 from astrai.serve.common import APIError
@@ -43,6 +49,7 @@ SAMPLING_FIELDS = frozenset({
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
     "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs",
 })  # fmt: skip
 
 # known fields this server does not implement: a 400 with the reason unless null / false
@@ -163,7 +170,14 @@ def include_usage(body: dict) -> bool:
 
 
 # ---- structured output --------------------------------------------------------------------------------------
-GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar")  # fmt: skip
+# vLLM's `structured_outputs` (0.10.2+, which replaced guided_*): key -> the guided_* field it means
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar", "json_object": None}  # fmt: skip
+# its options that tune vLLM's own backends' output; astrai's grammar engine has no such knobs: a 400 if set
+_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                       "whitespace_pattern", "structural_tag")  # fmt: skip
 """The request fields that constrain the output; at most one per request."""
 
 
@@ -173,6 +187,8 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
     kind = fmt["type"]
     if kind == "text":
         return None
+    if "value" in fmt:  # TGI's grammar shape, as huggingface_hub's InferenceClient sends it
+        return _value_format(kind, fmt["value"])
     if kind == "json_object":
         return GrammarSpec(kind="json_object", param="response_format")
     if kind != "json_schema":
@@ -192,6 +208,49 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
     if not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", f"json_schema.schema must be an object, got {show(schema)}")
     return GrammarSpec(kind="json_schema", source=json.dumps(schema), param="response_format")
+
+
+def _value_format(kind: str, value: Any) -> GrammarSpec:
+    """TGI's `{"type": "json" | "json_object" | "json_schema", "value": schema}` (a schema object or its JSON
+    text) or `{"type": "regex", "value": pattern}`: the schema under `value` constrains the output."""
+    if kind == "regex":
+        spec = _guided("guided_regex", value)
+    elif kind in ("json", "json_object", "json_schema"):
+        if isinstance(value, dict) and isinstance(value.get("schema"), dict):  # {"name", "schema"} under value
+            value = value["schema"]
+        spec = _guided("guided_json", value)
+    else:
+        raise bad("response_format.type", f"response_format with a value takes type json, json_object, "
+                                          f"json_schema or regex, got {show(kind)}")  # fmt: skip
+    return attrs.evolve(spec, param="response_format")
+
+
+def _structured_outputs(value: Any) -> GrammarSpec:
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object (true)."""
+    if not isinstance(value, dict):
+        raise bad("structured_outputs", f"structured_outputs must be an object, got {show(value)}")
+    for key, option in value.items():
+        if key in _STRUCTURED_OPTIONS and option not in (None, False):
+            raise bad(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported by this server's "
+                                                   "grammar engine")  # fmt: skip
+        if key not in STRUCTURED_OUTPUTS and key not in _STRUCTURED_OPTIONS:
+            raise bad(f"structured_outputs.{key}", f"unknown structured_outputs field {key!r}: give one of "
+                                                   f"{', '.join(STRUCTURED_OUTPUTS)}")  # fmt: skip
+    given = [k for k in STRUCTURED_OUTPUTS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise bad("structured_outputs", f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUTS)}, "
+                                        f"got {len(given)}")  # fmt: skip
+    key = given[0]
+    if key == "json_object":
+        if value[key] is not True:
+            raise bad("structured_outputs.json_object", "structured_outputs.json_object must be true")
+        return GrammarSpec(kind="json_object", param="structured_outputs.json_object")
+    try:
+        spec = _guided(STRUCTURED_OUTPUTS[key], value[key])
+    except APIError as err:  # name the field the client sent
+        raise bad(f"structured_outputs.{key}", err.message.replace(STRUCTURED_OUTPUTS[key],
+                                                                   f"structured_outputs.{key}")) from None  # fmt: skip
+    return attrs.evolve(spec, param=f"structured_outputs.{key}")
 
 
 def _guided(key: str, value: Any) -> GrammarSpec:
@@ -221,11 +280,15 @@ def grammar_spec(body: dict) -> GrammarSpec | None:
         value = body.get(key)
         if value is None:
             continue
-        spec = _response_format(value) if key == "response_format" else _guided(key, value)
+        if key == "response_format":
+            spec = _response_format(value)
+        else:
+            spec = _structured_outputs(value) if key == "structured_outputs" else _guided(key, value)
         if spec is None:
             continue
         if specs:
-            raise bad(key, f"{key} and {specs[0].param} both constrain the output: give at most one of "
+            first = specs[0].param.partition(".")[0]
+            raise bad(key, f"{key} and {first} both constrain the output: give at most one of "
                            f"{', '.join(GRAMMAR_FIELDS)}")  # fmt: skip
         specs.append(spec)
     return specs[0] if specs else None
@@ -234,7 +297,7 @@ def grammar_spec(body: dict) -> GrammarSpec | None:
 # ---- SamplingParams -----------------------------------------------------------------------------------------
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
            "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop", "stop_token_ids",
-           "min_tokens", *GRAMMAR_FIELDS}  # fmt: skip
+           "min_tokens", *GRAMMAR_FIELDS, *(f"structured_outputs.{k}" for k in STRUCTURED_OUTPUTS)}  # fmt: skip
 
 
 def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None,
@@ -317,6 +380,22 @@ def max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, default: int 
                 raise context_exceeded(key, context, prompt_len, value, what=prompt_param)
             return value
     return context - prompt_len if default is None else min(default, context - prompt_len)
+
+
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: it goes into logs and ids verbatim
+
+
+def response_id(body: dict, prefix: str) -> str:
+    """The reply's id: `prefix-` + vLLM's `request_id` field when given (so a client can find its request in the
+    server's log), else a random hex id; 400 naming `request_id` for anything but 1-128 printable ASCII characters."""
+    value = body.get("request_id")
+    if value is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not isinstance(value, str) or not REQUEST_ID.fullmatch(value):
+        raise bad(
+            "request_id", f"request_id must be 1-128 printable ASCII characters without spaces, got {show(value)}"
+        )
+    return f"{prefix}-{value}"
 
 
 def check_defaults(defaults: Mapping[str, Any]) -> None:

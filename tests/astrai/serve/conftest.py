@@ -8,9 +8,11 @@ of the engine, so scheduling, sampling bookkeeping, detokenization, stop handlin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
+import warnings
 
 import anthropic
 import openai
@@ -123,3 +125,16 @@ def _unscripted(request):
         live.wait_idle()
     else:
         yield
+
+
+@pytest.fixture
+def close_litellm_loop():
+    """litellm's sync path leaves an event loop set (never closed) on the main thread; whichever later test replaces
+    it would see its ResourceWarning when it is collected. Close it here, where it was made."""
+    yield
+    with warnings.catch_warnings(), contextlib.suppress(RuntimeError):  # RuntimeError: none is set
+        warnings.simplefilter("ignore", DeprecationWarning)
+        loop = asyncio.get_event_loop_policy().get_event_loop()
+        assert not loop.is_running()
+        loop.close()
+        asyncio.set_event_loop(None)

@@ -10,10 +10,7 @@ request that fits is answered, and a different 400 (a bad temperature) is not cl
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import warnings
 
 import httpx
 import openai
@@ -64,20 +61,7 @@ def _litellm(server, provider: str, content: str, **kw):
                               messages=[{"role": "user", "content": content}], **kw)  # fmt: skip
 
 
-@pytest.fixture
-def _close_litellm_loop():
-    """litellm's sync path leaves an event loop set (never closed) on the main thread; whichever later test replaces
-    it would see its ResourceWarning when it is collected. Close it here, where it was made."""
-    yield
-    with warnings.catch_warnings(), contextlib.suppress(RuntimeError):  # RuntimeError: none is set
-        warnings.simplefilter("ignore", DeprecationWarning)
-        loop = asyncio.get_event_loop_policy().get_event_loop()
-        assert not loop.is_running()
-        loop.close()
-        asyncio.set_event_loop(None)
-
-
-@pytest.mark.usefixtures("_close_litellm_loop")
+@pytest.mark.usefixtures("close_litellm_loop")
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_litellm_classifies_the_overflow_as_a_context_window_error(server, provider):
     server.script("fine")
