@@ -106,3 +106,15 @@ def test_int8_linear_equals_f_linear_on_the_dequantized_weight(dtype, kernels):
     # negative control: the int8 weight without its scale is far off
     x = torch.randn(2, 40).to(dtype)
     assert (linear(x, q.to(dtype)) - F.linear(x.float(), reference).to(dtype)).abs().max() > 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_on_cuda_equals_the_dequantized_weight(dtype):
+    # CUDA widens the weight (the branch the kernels-off eager case above runs on the CPU); here on the device
+    q, scale = quantize_int8(torch.randn(48, 40))
+    bias, x = torch.randn(48), torch.randn(33, 40)
+    expected = F.linear(x, dequantize_int8(q, scale), bias)
+    out = linear(x.to("cuda", dtype), q.cuda(), bias.to("cuda", dtype), scale.to("cuda", dtype))
+    atol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close(out.float().cpu(), expected, atol=atol * max(1.0, expected.abs().max().item()))
