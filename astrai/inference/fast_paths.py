@@ -13,8 +13,8 @@ a GPU (issue 40 item 4):
 
 Until a path's `FastPath.confirmed` record is set, an engine on CUDA runs it once at start beside its confirmed
 path on a small input (`probe_logits`: two prompts of 5 and 12 tokens through a prefill step and one decode step
-of the real model, into a private KV pool of its own pages; the compiled prefill through the runner's own pool): it stays on
-when both run and the logits agree within `TOLERANCE` (relative L2 error, by dtype); else the engine falls back
+of the real model, into a private KV pool of its own pages; the compiled prefill through the runner's own pool): it
+stays on when both run and the logits agree within `TOLERANCE` (relative L2 error, by dtype); else the engine falls back
 and logs one warning naming the switch. A path the user set explicitly (its env variable or config field) is not
 checked; `ASTRAI_VERIFY_FAST_PATHS=0` skips every check, `=all` checks confirmed paths too. CPU engines never
 check: their paths are confirmed by the test suite. The kernel paths' checks flip their process-wide switches for
