@@ -87,6 +87,23 @@ def test_preemption_recomputes_newest_and_everything_finishes():
     assert sched.pool.num_free == 6
 
 
+def test_preemption_picks_the_newest_of_three_running():
+    """With two running sequences the victim is forced (the only other one), so the test above cannot tell
+    "newest" from "oldest". Three one-page prompts on 4 usable pages: when the oldest needs a second page, the
+    newest (c) is preempted, not the middle one (b) and not the oldest (a), which vLLM's recompute policy also
+    picks (the running queue's tail). Checked at the first preemption, before any requeueing reorders them."""
+    sched = _sched(pages=5, page_size=4, radix=False, running=4, budget=64)
+    a, b, c = reqs = [_req(i, range(10 * i + 1, 10 * i + 5), max_tokens=12) for i in range(3)]
+    sched.add(reqs)
+    while not sched.stats.preemptions:
+        assert sched.has_work()
+        plan = _step(sched)
+    assert [r.num_preemptions for r in reqs] == [0, 0, 1]
+    assert {item.seq.id for item in plan} == {"r0", "r1"}  # the step that preempted c runs a and b
+    _run(sched)
+    assert all(r.outputs == [7] * 12 for r in (a, b, c))
+
+
 def test_abort_frees_pages_and_records_nothing():
     sched = _sched()
     a = _req(0, range(1, 30), max_tokens=50)
