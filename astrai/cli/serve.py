@@ -105,6 +105,9 @@ class ServeConfig(ModelArgs):
     fuse_projections: Literal["auto", "on", "off"] = "auto"
     """Serve q/k/v and gate/up of each block as one projection each (two GEMMs instead of five per block; costs
     those weights' memory once more). auto: on CUDA when the copy fits, off on CPU (no consistent gain there)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """vLLM's flag: fcfs admits requests by arrival; priority by each request's `priority` field first (lower is
+    sooner, then arrival), and preempts the highest value first. Under fcfs a non-zero `priority` is a 400."""
     graceful_timeout: int = 30
     """Seconds in-flight requests get to finish on shutdown."""
     log_level: Annotated[LogLevel, tyro.conf.arg(aliases=("--uvicorn-log-level",), metavar="LEVEL")] = "info"
@@ -167,8 +170,8 @@ def engine_config(cfg: ServeConfig):
                         page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
                         fuse_projections={"auto": None, "on": True, "off": False}[cfg.fuse_projections],
-                        tensor_parallel_size=cfg.tensor_parallel_size,
-                        overlap_schedule=cfg.async_scheduling)  # fmt: skip
+                        tensor_parallel_size=cfg.tensor_parallel_size, overlap_schedule=cfg.async_scheduling,
+                        scheduling_policy=cfg.scheduling_policy)  # fmt: skip
 
 
 def _prepare_grammar(engine: Engine) -> None:

@@ -1,10 +1,17 @@
-"""Memory budget of the KV pool: activation headroom and vLLM's `gpu_memory_utilization` arithmetic."""
+"""Memory budget of the KV pool: its size in pages, activation headroom and vLLM's `gpu_memory_utilization`
+arithmetic."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from astrai.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from astrai.inference.engine_config import EngineConfig
+    from astrai.io.model import Model
 
 ACTIVATION_FIXED_BYTES = 512 << 20
 """Part of the activation headroom that does not scale with the model: the CUDA context, cuBLAS workspaces,
@@ -45,3 +52,28 @@ def kv_budget_for_utilization(utilization: float, *, total: int, free: int, in_u
             "gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
         )
     return budget
+
+
+def kv_pool_pages(cfg: EngineConfig, model: Model, device: torch.device, per_token: int, max_model_len: int) -> int:
+    """Pages of the KV pool on `device` (one rank's, under tensor parallel) at `per_token` bytes per token.
+
+    `cfg.kv_budget_tokens` when set; on CUDA `gpu_memory_utilization` (vLLM's arithmetic) or a fraction of the free
+    memory; on CPU `kv_budget_bytes`. Never more than every running sequence at full length can use, never fewer
+    than 2 (one usable page and the null page).
+    """
+    tokens = cfg.kv_budget_tokens
+    if tokens is None:
+        if device.type == "cuda" and cfg.gpu_memory_utilization is not None:
+            free, total = torch.cuda.mem_get_info(device)
+            steps = {"max_step_tokens": cfg.max_step_tokens, "max_running": cfg.max_running}
+            headroom = activation_headroom(model.config, model.dtype, **steps)
+            in_use = torch.cuda.memory_reserved(device)
+            util = cfg.gpu_memory_utilization
+            budget = kv_budget_for_utilization(util, total=total, free=free, in_use=in_use, headroom=headroom)
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * cfg.kv_memory_fraction)
+        else:
+            budget = cfg.kv_budget_bytes
+        tokens = min(budget // per_token, cfg.max_running * max_model_len)
+    return max(2, tokens // cfg.page_size + 1)  # + the null page

@@ -31,9 +31,8 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import attrs
-import torch
 
-from astrai.inference.budget import activation_headroom, kv_budget_for_utilization
+from astrai.inference.budget import kv_pool_pages
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.engine_config import EngineConfig, EngineStats
@@ -76,11 +75,12 @@ class Engine:
         # the served tree: the model's own or a fused copy (made before the pool), unconfirmed GPU paths checked
         self._fuse = should_fuse(model, cfg.fuse_projections, tensor_parallel=tp_size > 1)
         self._fuse, self._served = verify_fast_paths(model, served_model(model, self._fuse), cfg)
-        num_pages = self._num_pages(device, kv_bytes_per_token(kv_cfg, model.dtype))
+        num_pages = kv_pool_pages(cfg, model, device, kv_bytes_per_token(kv_cfg, model.dtype), self.max_model_len)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.radix = RadixCache(self.pool) if cfg.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
-                                   max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len)  # fmt: skip
+                                   max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len,
+                                   policy=cfg.scheduling_policy)  # fmt: skip
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=cfg.max_running,
                          compile_prefill=cfg.compile_prefill, max_model_len=self.max_model_len,
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
@@ -106,26 +106,6 @@ class Engine:
     def _rank_failed(self, message: str) -> None:
         self.fatal = message
         self._fail(RuntimeError(message))
-
-    def _num_pages(self, device: torch.device, per_token: int) -> int:
-        """Pages of the KV pool on `device` (one rank's, under tensor parallel) at `per_token` bytes per token."""
-        cfg, tokens = self.config, self.config.kv_budget_tokens
-        if tokens is None:
-            if device.type == "cuda" and cfg.gpu_memory_utilization is not None:
-                free, total = torch.cuda.mem_get_info(device)
-                steps = {"max_step_tokens": cfg.max_step_tokens, "max_running": cfg.max_running}
-                headroom = activation_headroom(self.model.config, self.model.dtype, **steps)
-                in_use = torch.cuda.memory_reserved(device)
-                util = cfg.gpu_memory_utilization
-                budget = kv_budget_for_utilization(util, total=total, free=free, in_use=in_use, headroom=headroom)
-            elif device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * cfg.kv_memory_fraction)
-            else:
-                budget = cfg.kv_budget_bytes
-            # never more than every running sequence at full length can use
-            tokens = min(budget // per_token, cfg.max_running * self.max_model_len)
-        return max(2, tokens // cfg.page_size + 1)  # + the null page
 
     # ---- submission -------------------------------------------------------------------------------------
     def submit(
@@ -230,6 +210,12 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise EngineInputError(f"prompt token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise EngineInputError(
+                "priority needs the priority scheduling policy (astrai serve --scheduling-policy "
+                f"priority); this engine's is {self.config.scheduling_policy!r}",
+                param="priority",
+            )
         if params.n > self.config.max_waiting:
             raise EngineInputError(f"n={params.n} is more sequences than the engine's whole waiting queue "
                                    f"(max_waiting={self.config.max_waiting})", param="n")  # fmt: skip

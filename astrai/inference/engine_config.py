@@ -64,6 +64,9 @@ class EngineConfig:
     grammar read their tokens on the host, so a step holding one is collected before the next is planned. On CPU
     the forward runs synchronously and nothing overlaps (same tokens, same speed); off by default until it is
     measured on a GPU (`benchmarks/bench_engine.py --overlap`). Single-rank engines only."""
+    scheduling_policy: str = attrs.field(default="fcfs", validator=attrs.validators.in_(("fcfs", "priority")))
+    """vLLM's `--scheduling-policy`: "fcfs" admits and preempts by arrival; "priority" by (SamplingParams.priority,
+    arrival): a lower value is admitted first, runs first within a step's budget and is preempted last."""
     background: bool = True
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline

@@ -128,6 +128,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens from the decoded text
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     grammar: GrammarSpec | None = None  # constrain the output (compiled by the engine at submit)
+    # scheduling priority under EngineConfig.scheduling_policy "priority": lower values are admitted first and
+    # preempted last (vLLM's meaning); must stay 0 under "fcfs"
+    priority: int = 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -157,6 +160,7 @@ class SamplingParams:
         _normal_f32("presence_penalty", _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0))
         _float_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         self._check_logit_bias(vocab_size)
+        _int_in("priority", self.priority, -(1 << 63), (1 << 63) - 1)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise EngineInputError(f"seed must be an int or None, got {self.seed!r}", param="seed")
         _int_in("n", self.n, 1, MAX_N)

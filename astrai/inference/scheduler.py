@@ -5,8 +5,12 @@ Each `schedule()` call builds one step:
    as long as the step's token budget lasts; a sequence whose next tokens need a page the pool can't give
    preempts the newest running sequence (recompute: its pages are released, its generated tokens kept, it goes
    back to the front of the queue) — never a crash;
-2. waiting sequences are admitted strictly FIFO while budget, free KV and the running cap allow: the prefix
+2. waiting sequences are admitted strictly in order while budget, free KV and the running cap allow: the prefix
    cache supplies the longest cached full-page prefix, the rest is prefilled in chunks.
+"Oldest", "newest" and "in order" are `Scheduler.order`: arrival under the "fcfs" policy (FIFO), and
+(`SamplingParams.priority`, arrival) under "priority" (vLLM's `--scheduling-policy priority`: a lower value is
+admitted first, planned first and preempted last; an urgent request waits for KV pages to free up rather than
+preempting a running one, as vLLM's V1 admission does).
 `update()` then advances every scheduled sequence, appends sampled tokens and finishes sequences.
 
 The scheduler is the only writer of a sequence's `status` and `finish_reason`: token-id stops, a finished grammar
@@ -50,9 +54,12 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences run; owns the page bookkeeping."""
 
     def __init__(self, pool: PagePool, radix: RadixCache | None, *, max_running: int, max_step_tokens: int,
-                 max_model_len: int) -> None:  # fmt: skip
+                 max_model_len: int, policy: str = "fcfs") -> None:  # fmt: skip
         if max_step_tokens < max_running:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must be >= max_running ({max_running})")
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.policy = policy
         self.pool, self.radix = pool, radix
         self.page_size = pool.page_size
         self.max_running, self.max_step_tokens, self.max_model_len = max_running, max_step_tokens, max_model_len
@@ -61,9 +68,24 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # ---- queue management ----------------------------------------------------------------------------
+    def order(self, seq: Seq) -> tuple[int, int, int]:
+        """The sequence's place in every ordering: (priority under the "priority" policy, else 0; arrival; index
+        within its request). Lower goes first: admitted first, scheduled first, preempted last."""
+        return (seq.params.priority if self.policy == "priority" else 0, seq.arrival, seq.index)
+
+    def _enqueue(self, seq: Seq) -> None:
+        """Insert into `waiting` by `order` (ahead of everything that orders after it)."""
+        key = self.order(seq)
+        at = next((i for i, s in enumerate(self.waiting) if self.order(s) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
+
     def add(self, seqs: list[Seq]) -> None:
         """Queue the sequences of one request (already validated by the engine)."""
-        self.waiting.extend(seqs)
+        if self.policy == "fcfs":  # arrivals only grow: the end of the queue is their place
+            self.waiting.extend(seqs)
+        else:
+            for seq in seqs:
+                self._enqueue(seq)
 
     def abort(self, seqs: list[Seq]) -> None:
         """End every unfinished sequence of `seqs` with "abort" (queued here or not yet added); frees their pages."""
@@ -130,12 +152,10 @@ class Scheduler:
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.stats.preemptions += 1
-        # back to the queue in arrival order, ahead of everything that arrived later; within a request by index, so
+        # back to the queue in its order, ahead of everything that arrived later; within a request by index, so
         # an n > 1 leader goes back ahead of its followers (behind them, a follower at the head waits for the
         # leader's prefill, the leader waits behind it: strict FIFO would never admit either)
-        key = (victim.arrival, victim.index)
-        at = next((i for i, s in enumerate(self.waiting) if (s.arrival, s.index) > key), len(self.waiting))
-        self.waiting.insert(at, victim)
+        self._enqueue(victim)
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -146,14 +166,14 @@ class Scheduler:
         its last (`max_tokens`) is not planned: `update` will end it with "length".
         """
         budget, plan = self.max_step_tokens, []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=self.order):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             if seq.in_flight and len(seq.outputs) + seq.in_flight >= seq.params.max_tokens:
                 continue
             n = min(seq.num_tokens + seq.in_flight - seq.num_computed, budget)
             while not self._grow(seq, seq.num_computed + n):
-                victim = max((s for s in self.running if s is not seq), key=lambda s: s.arrival, default=None)
+                victim = max((s for s in self.running if s is not seq), key=self.order, default=None)
                 if victim is None:  # alone and still short: impossible after admission checks, but never hang
                     raise RuntimeError(f"request {seq.id} needs more KV pages than the pool holds")
                 for p in plan:

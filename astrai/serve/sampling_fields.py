@@ -49,7 +49,7 @@ SAMPLING_FIELDS = frozenset({
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
     "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs",
+    "structured_outputs", "priority",
 })  # fmt: skip
 
 # known fields this server does not implement: a 400 with the reason unless null / false
@@ -297,7 +297,8 @@ def grammar_spec(body: dict) -> GrammarSpec | None:
 # ---- SamplingParams -----------------------------------------------------------------------------------------
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
            "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop", "stop_token_ids",
-           "min_tokens", *GRAMMAR_FIELDS, *(f"structured_outputs.{k}" for k in STRUCTURED_OUTPUTS)}  # fmt: skip
+           "min_tokens", "priority", *GRAMMAR_FIELDS,
+           *(f"structured_outputs.{k}" for k in STRUCTURED_OUTPUTS)}  # fmt: skip
 
 
 def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None,
@@ -328,6 +329,7 @@ def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprob
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
         grammar=grammar_spec(body),
+        priority=integer(body, "priority", 0, -(1 << 63), (1 << 63) - 1),
     )
     try:
         params.check(vocab_size)

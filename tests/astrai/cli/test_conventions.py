@@ -18,9 +18,9 @@ from astrai.cli.chat import ChatConfig
 from astrai.cli.generate import GenerateConfig
 from astrai.cli.main import main
 from astrai.cli.serve import ServeConfig, engine_config, origin_list, sampling_defaults
-from astrai.inference.budget import activation_headroom, kv_budget_for_utilization
+from astrai.inference.budget import activation_headroom, kv_budget_for_utilization, kv_pool_pages
 from astrai.inference.cache import kv_bytes_per_token
-from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.engine import EngineConfig
 from astrai.serve.server import logging_config
 from helpers import tiny_model_dir
 
@@ -207,7 +207,8 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory():
 
 
 def test_engine_sizes_its_pool_from_gpu_memory_utilization_on_cuda_only(model_dir, monkeypatch, capsys):
-    """`Engine._num_pages` on a fake CUDA memory reading: vLLM's meaning, not the free-memory share."""
+    """`kv_pool_pages` (the engine's pool size) on a fake CUDA memory reading: vLLM's meaning, not the free-memory
+    share."""
     cfg = astrai.load(model_dir).config
     total, free, reserved = 10 * GiB, 8 * GiB, 1 * GiB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
@@ -215,8 +216,7 @@ def test_engine_sizes_its_pool_from_gpu_memory_utilization_on_cuda_only(model_di
 
     def pages(device: str, **engine_kw) -> int:
         model = types.SimpleNamespace(config=cfg, dtype=torch.float32, device=torch.device(device))
-        fake = types.SimpleNamespace(config=EngineConfig(**engine_kw), model=model, max_model_len=10**9)
-        return Engine._num_pages(fake, torch.device(device), per_token)
+        return kv_pool_pages(EngineConfig(**engine_kw), model, torch.device(device), per_token, 10**9)
 
     per_token = kv_bytes_per_token(cfg, torch.float32)
     headroom = activation_headroom(cfg, torch.float32, max_step_tokens=2048, max_running=64)

@@ -135,3 +135,11 @@ def test_litellm_sends_reasoning_effort_and_it_is_accepted(server):
     finally:
         server.script(None)
     assert reply.choices[0].message.content == "fine"
+
+
+def test_priority_is_a_400_under_fcfs_and_honoured_under_priority(server):
+    response = chat(server, priority=3)  # the session server schedules fcfs, as vLLM's default
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in response.json()["error"]["message"]
+    assert chat(server, priority=0).status_code == 200
+    assert chat(server, priority="high").json()["error"]["param"] == "priority"
