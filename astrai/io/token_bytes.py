@@ -37,10 +37,12 @@ class TokenBytes:
 
     Attributes:
         tokenizer: the tokenizer, or None (a model served without one: every token is ``b""``).
+        as_ids: every token's text is ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``, for clients that
+            need the ids of tokens that do not decode on their own); ``bytes`` are that text's, as in vLLM.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer, self._bytes = tokenizer, {}
+    def __init__(self, tokenizer: Tokenizer | None, *, as_ids: bool = False) -> None:
+        self.tokenizer, self._bytes, self.as_ids = tokenizer, {}, as_ids
         decoder = tokenizer.backend.decoder if tokenizer is not None else None
         state = decoder.__getstate__() if decoder is not None else b""
         self._byte_level = b'"ByteLevel"' in state
@@ -48,7 +50,9 @@ class TokenBytes:
         self._added = tokenizer.backend.get_added_tokens_decoder() if tokenizer is not None else {}
 
     def bytes(self, token: int) -> bytes:
-        """The UTF-8 bytes token `token` contributes to the text."""
+        """The UTF-8 bytes token `token` contributes to the text (with `as_ids`, those of `token_id:N`)."""
+        if self.as_ids:
+            return f"token_id:{token}".encode()
         if token not in self._bytes:
             self._bytes[token] = self._compute(token)
         return self._bytes[token]

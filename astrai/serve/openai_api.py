@@ -135,7 +135,7 @@ def _chunk_deltas(events: list[Event]) -> list[dict]:
 async def _chat_stream(state: ServerState, request: Request, handle: RequestHandle, chat: ChatRequest,
                        head: dict) -> AsyncIterator[str]:  # fmt: skip
     tail = {"usage": None} if chat.include_usage else {}
-    texts = TokenBytes(state.tokenizer)
+    texts = TokenBytes(state.tokenizer, as_ids=chat.tokens_as_ids)
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None,
               stop_reason: str | None = None) -> str:  # fmt: skip
@@ -207,7 +207,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         return common.stream_response(_chat_stream(state, request, handle, chat,
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
-    texts, choices = TokenBytes(state.tokenizer), []
+    texts, choices = TokenBytes(state.tokenizer, as_ids=chat.tokens_as_ids), []
     start = prompt_start(state.tokenizer, chat.prompt, constrained=_no_free_text(chat))
     for out in completion.outputs:
         answer, reasoning = out.text, None
@@ -284,7 +284,7 @@ async def _score_prompts(state: ServerState, req: CompletionRequest) -> list[Pro
 
 def _echo_only(state: ServerState, req: CompletionRequest, scores: list[PromptLogprobs] | None) -> list[dict]:
     """Choices of a `max_tokens: 0` request: each prompt echoed n times (with its logprobs), nothing generated."""
-    texts = TokenBytes(state.tokenizer)
+    texts = TokenBytes(state.tokenizer, as_ids=req.tokens_as_ids)
     choices = []
     for k, prompt in enumerate(req.prompts):
         lp = _prompt_part(texts, scores[k]) if scores else None
@@ -331,7 +331,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         pass
     if any(h.completion is None for h in handles):
         raise APIError(499, "the client closed the request")
-    texts, choices = TokenBytes(state.tokenizer), []
+    texts, choices = TokenBytes(state.tokenizer, as_ids=req.tokens_as_ids), []
     for k, (h, prompt) in enumerate(zip(handles, req.prompts, strict=True)):
         for o in h.completion.outputs:
             lp = None
@@ -358,7 +358,7 @@ async def _echo_stream(head: dict, choices: list[dict], usage: dict | None) -> A
 async def _completion_stream(state: ServerState, request: Request, handles: list[RequestHandle],
                              req: CompletionRequest, head: dict, scores: list[PromptLogprobs] | None
                              ) -> AsyncIterator[str]:  # fmt: skip
-    tail, texts = {"usage": None} if req.include_usage else {}, TokenBytes(state.tokenizer)
+    tail, texts = {"usage": None} if req.include_usage else {}, TokenBytes(state.tokenizer, as_ids=req.tokens_as_ids)
     offsets: dict[int, int] = {}  # per choice: characters sent so far (legacy text_offset)
     try:
         async for k, d in _completion_deltas(state, request, handles, req):

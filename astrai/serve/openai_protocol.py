@@ -37,7 +37,9 @@ Chat completions accept:
   `safety_identifier`,
   `prompt_cache_key` are accepted and ignored.
 - client extras: `reasoning_effort` and `verbosity` reach the chat template as variables (`chat_prompt`), as vLLM
-  passes them; `request_id` (both routes) names the reply (`chatcmpl-<request_id>`).
+  passes them; `request_id` (both routes) names the reply (`chatcmpl-<request_id>`); `priority` (both routes: the
+  engine's scheduling policy must be "priority" for a non-zero value); `return_tokens_as_token_ids` (both routes:
+  logprob tokens are `token_id:N`).
 - structured output (both routes): `response_format` (text, json_object, json_schema; or TGI's `{"type", "value"}`)
   or vLLM's `structured_outputs` or one of its older `guided_json`, `guided_regex`, `guided_choice`,
   `guided_grammar` (`sampling_fields.grammar_spec`; the engine
@@ -243,6 +245,7 @@ class ChatRequest:
     forced: bool  # tool_choice "required" / named: the grammar forces calls (the output holds nothing else)
     echo: str = ""  # text put before each choice's content (`echo` with a final assistant message)
     tool_schemas: dict[str, Any] = attrs.Factory(dict)  # name -> parameters of the rendered tools
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens are "token_id:N"
 
 
 def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
@@ -299,7 +302,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     elif rendered and params.grammar is None:
         params = _constrain_calls(params, rendered, None, body, tokenizer, tool_parser)
     return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered),
-                       forced is not None, echo, tool_schemas(rendered))  # fmt: skip
+                       forced is not None, echo, tool_schemas(rendered),
+                       tokens_as_ids=flag(body, "return_tokens_as_token_ids"))  # fmt: skip
 
 
 def _constrain_calls(params: SamplingParams, tools: list[dict], forced: str | None, body: dict, tokenizer: Tokenizer,
@@ -366,6 +370,7 @@ class CompletionRequest:
     include_usage: bool
     prompt_logprobs: bool = False  # echo with logprobs: score the prompt tokens too
     generate: bool = True  # False: max_tokens 0 with echo, the prompts are only echoed (and scored)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens are "token_id:N"
 
 
 def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
@@ -426,4 +431,5 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int
         shown = "" if not echo else text if text is not None else tokenizer.decode(ids) if tokenizer else ""
         out.append(CompletionPrompt(ids, own, shown))
     return CompletionRequest(tuple(out), n, k, flag(body, "stream"), include_usage(body),
-                             prompt_logprobs=echo and k is not None, generate=generate)  # fmt: skip
+                             prompt_logprobs=echo and k is not None, generate=generate,
+                             tokens_as_ids=flag(body, "return_tokens_as_token_ids"))  # fmt: skip

@@ -49,7 +49,7 @@ SAMPLING_FIELDS = frozenset({
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
     "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "priority",
+    "structured_outputs", "priority", "return_tokens_as_token_ids",
 })  # fmt: skip
 
 # known fields this server does not implement: a 400 with the reason unless null / false

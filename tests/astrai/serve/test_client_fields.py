@@ -143,3 +143,28 @@ def test_priority_is_a_400_under_fcfs_and_honoured_under_priority(server):
     assert "--scheduling-policy priority" in response.json()["error"]["message"]
     assert chat(server, priority=0).status_code == 200
     assert chat(server, priority="high").json()["error"]["param"] == "priority"
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens), tokens
+    return [int(t.split(":")[1]) for t in tokens]
+
+
+def test_return_tokens_as_token_ids(server, oai):
+    ids_body = {"return_tokens_as_token_ids": True}
+    reply = oai.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0, logprobs=True,
+                                        top_logprobs=2, extra_body=ids_body)  # fmt: skip
+    entries = reply.choices[0].logprobs.content
+    ids = _ids([e.token for e in entries])
+    assert server.tokenizer.decode(ids) == reply.choices[0].message.content  # the ids spell the reply
+    assert all(len(_ids([t.token for t in e.top_logprobs])) == 2 for e in entries)
+    assert [bytes(e.bytes).decode() for e in entries] == [e.token for e in entries]  # vLLM: the bytes of that text
+    plain = oai.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0, logprobs=True)
+    assert not any(e.token.startswith("token_id:") for e in plain.choices[0].logprobs.content)  # negative control
+    streamed = oai.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0,
+                                           logprobs=True, stream=True, extra_body=ids_body)  # fmt: skip
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert _ids([e.token for lp in chunks for e in lp.content or []]) == ids
+    legacy = oai.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=5, temperature=0, logprobs=1,
+                                    extra_body=ids_body)  # fmt: skip
+    assert server.tokenizer.decode(_ids(legacy.choices[0].logprobs.tokens)) == legacy.choices[0].text
