@@ -35,7 +35,7 @@ from astrai.inference.grammar import (
 )
 from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer, train_tokenizer
-from helpers import sentencepiece_tokenizer
+from helpers import grammar_takes, sentencepiece_tokenizer
 
 CORPUS = [
     '{"name": "Ada", "kind": "cat", "age": 36, "tags": ["a", "b"], "owner": {"id": 12, "admin": true}}',
@@ -126,6 +126,18 @@ def test_random_model_choice(kind):
     choices = ["yes", "no", "maybe later", 'say "hi"', "中文", "naïve"]
     outputs = {walk(kind, choice_grammar(choices), seed) for seed in SEEDS}
     assert outputs <= set(choices) and len(outputs) > 2
+
+
+def test_choice_grammar_takes_each_choice_verbatim_and_nothing_else():
+    """Each choice's own token ids, spaces and quotes included, and no variant of it (the reference is the choice
+    list itself: a grammar that strips, escapes or drops a choice fails here, which random walks can miss)."""
+    tok, v = tokenizer("byte_level"), view("byte_level")
+    choices = [" yes", "no ", 'say "hi"', "a|b"]
+    grammar = compile_grammar(v, choice_grammar(choices))
+    for choice in choices:
+        assert grammar_takes(v, grammar, tok.encode(choice, add_special_tokens=False)), choice
+    for other in ("yes", "no", "say hi", "a", " yes no ", ""):
+        assert not grammar_takes(v, grammar, tok.encode(other, add_special_tokens=False)), other
 
 
 @pytest.mark.parametrize("kind", KINDS)
