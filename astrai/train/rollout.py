@@ -5,6 +5,11 @@ with the live adapters through `apply_lora`): nothing is copied or reloaded. The
 place, and `after_step` then drops the engine's prefix cache (`Engine.update_params`), so no K/V computed with old
 weights is ever reused. Each rank rolls out its own share of prompts (the sampler's), with its own engine.
 
+Compiled rollouts: the engine compiles its decode step and sampler when the run compiles (`TrainConfig.compile`,
+on by default and in the recipes; the RL quickstart's short runs keep it off). Its compiled steps do not guard on
+the parameters, so the optimizer's in-place updates (and the LoRA adapters inside the tree `apply_lora` built
+once) never recompile them; tests/astrai/train/test_rollout_compiled.py counts the compiles over several steps.
+
 Per rollout (one optimizer step's prompts on this rank, all micro-batches together so continuous batching fills
 the engine): each prompt is one request with n = G (the G sequences share the prompt's K/V), sampled at the
 recipe's temperature / top-p / top-k with raw per-token log-probs returned; the seed of a prompt's request depends
