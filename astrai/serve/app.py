@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
-from astrai.serve import anthropic_api, embeddings_api, openai_api, vllm_api
+from astrai.serve import anthropic_api, embeddings_api, openai_api, responses_api, vllm_api
 from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
 
@@ -268,6 +268,7 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
 
     routes = _basic_routes(state) + openai_api.routes(state) + embeddings_api.routes(state)
     routes += anthropic_api.routes(state)
+    routes += responses_api.routes(state)
     state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
     state.metrics.model_name = model_name  # the vllm: families' model_name label
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -58,7 +58,7 @@ from astrai.serve.tool_calls import Event, TextDelta, ToolCall, ToolCallArgs, To
 from astrai.serve.tool_parsers import new_parser, parse
 
 
-async def _compile_grammar(state: ServerState, params: SamplingParams) -> None:
+async def compile_grammar(state: ServerState, params: SamplingParams) -> None:
     """Compile a constrained request's grammar on the worker pool (not the event loop); 400 naming the field."""
     if params.grammar is None:
         return
@@ -94,7 +94,7 @@ def _error_event(err: APIError) -> str:
     return sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
 
 
-async def _engine_deltas(state: ServerState, request: Request, handle: RequestHandle, prompt_len: int
+async def engine_deltas(state: ServerState, request: Request, handle: RequestHandle, prompt_len: int
                          ) -> AsyncIterator[Delta]:  # fmt: skip
     """The request's deltas, through the metrics, aborted on disconnect; a dead engine is a 503, a request the
     engine ended with an error a 400 naming the failed constraint's field (`common.engine_error`)."""
@@ -103,7 +103,7 @@ async def _engine_deltas(state: ServerState, request: Request, handle: RequestHa
 
 
 async def _collect(state: ServerState, request: Request, handle: RequestHandle, prompt_len: int) -> Completion:
-    async for _ in _engine_deltas(state, request, handle, prompt_len):
+    async for _ in engine_deltas(state, request, handle, prompt_len):
         pass
     if handle.completion is None:
         raise APIError(499, "the client closed the request")
@@ -145,14 +145,14 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
 
     parsers = [new_parser(state.tool_parser, chat.tool_names, chat.tool_schemas, forced=chat.forced)
                for _ in range(chat.params.n)]  # fmt: skip
-    thinkers = new_parsers(state.reasoning_parser, state.tokenizer, chat.prompt, constrained=_no_free_text(chat),
+    thinkers = new_parsers(state.reasoning_parser, state.tokenizer, chat.prompt, constrained=no_free_text(chat),
                            n=chat.params.n)  # fmt: skip
     for i in range(chat.params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
         if chat.echo:
             yield chunk(i, {"content": chat.echo})
     try:
-        async for d in _engine_deltas(state, request, handle, len(chat.prompt)):
+        async for d in engine_deltas(state, request, handle, len(chat.prompt)):
             parser, reasoning, text = parsers[d.index], "", d.text
             if thinkers is not None:  # <think> reasoning goes out as reasoning_content; the tool parser reads the rest
                 thinker = thinkers[d.index]
@@ -182,7 +182,7 @@ def _stop_reason(reason: str | None) -> dict:
     return {} if reason is None else {"stop_reason": reason}
 
 
-def _no_free_text(chat: ChatRequest) -> bool:
+def no_free_text(chat: ChatRequest) -> bool:
     """Whether a grammar rules out free text (a schema, a forced call), hence a think block; tool_choice "auto"'s
     grammar allows text."""
     grammar = chat.params.grammar
@@ -198,7 +198,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
                                defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
-    await _compile_grammar(state, chat.params)
+    await compile_grammar(state, chat.params)
     head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.model_name}
     if state.log_requests:
         common.log_request(head["id"], request.url.path, body.get("messages"), chat.params)
@@ -208,7 +208,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
     texts, choices = TokenBytes(state.tokenizer, as_ids=chat.tokens_as_ids), []
-    start = prompt_start(state.tokenizer, chat.prompt, constrained=_no_free_text(chat))
+    start = prompt_start(state.tokenizer, chat.prompt, constrained=no_free_text(chat))
     for out in completion.outputs:
         answer, reasoning = out.text, None
         if state.reasoning_parser is not None:
@@ -311,7 +311,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
                               context=state.context, defaults=state.sampling_defaults,
                               max_sequences=state.max_waiting)  # fmt: skip
     if req.prompts:
-        await _compile_grammar(state, req.prompts[0].params)  # every prompt has the same grammar
+        await compile_grammar(state, req.prompts[0].params)  # every prompt has the same grammar
     head = {"id": response_id(body, "cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip
     if state.log_requests:

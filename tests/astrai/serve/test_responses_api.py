@@ -1,0 +1,258 @@
+"""`/v1/responses` (OpenAI's Responses API) through a live server, with the official openai SDK (and openai-agents).
+
+References are independent of the server: every reply and stream event is validated against the SDK's own pydantic
+types (`Response`, the `ResponseStreamEvent` union); expected prompts come from the chat template applied by the
+tokenizer directly to the chat messages a Responses input stands for; structured output is checked by `jsonschema`.
+`server.script(text)` makes the model say `text`.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import httpx
+import jsonschema
+import openai
+import openai.types.responses as rt
+import pytest
+
+from astrai.serve.openai_protocol import parse_chat
+from astrai.serve.responses_api import store_of
+from astrai.serve.responses_protocol import parse_responses
+
+KEY, MODEL = "test-key", "tiny-test"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": SCHEMA,
+        "strict": True}  # fmt: skip
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+             "parameters": SCHEMA}}  # fmt: skip
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+THOUGHT = "<think>\nThe user adds 2 and 2.\n</think>\n\nThe answer is 4."
+# the SDK's stream event union, by each member's `type` literal (a clear error names the one event class)
+EVENTS = {cls.model_fields["type"].annotation.__args__[0]: cls
+          for cls in typing.get_args(typing.get_args(rt.ResponseStreamEvent)[0])}  # fmt: skip
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def prompts(server, monkeypatch):
+    """Records the token ids of every prompt the server submits to the engine."""
+    seen, submit = [], server.engine.submit
+
+    def recording(prompt, params=None, **kw):
+        seen.append(list(prompt))
+        return submit(prompt, params, **kw)
+
+    monkeypatch.setattr(server.engine, "submit", recording)
+    return seen
+
+
+def template_ids(server, messages, tools=None) -> list[int]:
+    text = server.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return server.tokenizer.encode(text, add_special_tokens=False)
+
+
+def post(server, body, status=200):
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"model": MODEL, **body}, headers=HEADERS, timeout=60)
+    assert r.status_code == status, r.text
+    return r
+
+
+def events(server, body) -> list:
+    """The stream's events, each validated against the SDK's event union; sequence numbers checked."""
+    text = post(server, {**body, "stream": True}).text
+    raw = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    assert names == [e["type"] for e in raw]
+    assert [e["sequence_number"] for e in raw] == list(range(len(raw)))
+    return [EVENTS[e["type"]].model_validate(e) for e in raw]
+
+
+def same_items(a, b) -> bool:
+    """Output items equal but for their random ids."""
+    strip = [{k: v for k, v in i.model_dump().items() if k != "id"} for i in a.output]
+    return strip == [{k: v for k, v in i.model_dump().items() if k != "id"} for i in b.output]
+
+
+def test_text_whole_and_streamed_validate(server, client, prompts):
+    server.script("hello world")
+    body = {"input": "hi", "instructions": "Be brief.", "metadata": {"k": "v"}, "max_output_tokens": 32}
+    whole = rt.Response.model_validate(post(server, body).json())
+    assert whole.status == "completed" and whole.output_text == "hello world" and whole.id.startswith("resp_")
+    assert whole.model == MODEL and whole.metadata == {"k": "v"} and whole.instructions == "Be brief."
+    assert (
+        whole.usage.input_tokens == len(prompts[-1])
+        and whole.usage.output_tokens == len(server.tokenizer.encode("hello world", add_special_tokens=False)) + 1
+    )  # fmt: skip  (+ eos)
+    assert prompts[-1] == template_ids(server, [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "hi"}])  # fmt: skip
+    stream = events(server, body)
+    kinds = [e.type for e in stream]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]  # fmt: skip
+    assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == "hello world"
+    assert same_items(stream[-1].response, whole) and stream[-1].response.usage == whole.usage
+    sdk = client.responses.create(model=MODEL, input="hi", max_output_tokens=32)
+    assert sdk.output_text == "hello world"
+
+
+def test_function_tool_loop_create_and_stream(server, client, prompts):
+    server.script(CALL)
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[TOOL], max_output_tokens=128)
+    rt.Response.model_validate(first.model_dump())
+    assert prompts[-1] == template_ids(server, [{"role": "user", "content": "Weather in Paris?"}], [CHAT_TOOL])
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {
+        "city": "Paris"}  # fmt: skip
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=[TOOL], max_output_tokens=128) as s:
+        seen = [e.type for e in s]
+        streamed = s.get_final_response()
+    assert "response.function_call_arguments.delta" in seen and "response.function_call_arguments.done" in seen
+    assert same_items(streamed, first) or [o.type for o in streamed.output] == ["function_call"]
+    server.script("It is sunny.")
+    history = [{"role": "user", "content": "Weather in Paris?"}, *[o.model_dump(exclude_none=True) for o in
+               first.output], {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]  # fmt: skip
+    with client.responses.stream(model=MODEL, input=history, tools=[TOOL], max_output_tokens=64) as s:
+        final = s.get_final_response()
+    assert final.output_text == "It is sunny." and final.status == "completed"
+    chat = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather", "content": "sunny"}]  # fmt: skip
+    assert prompts[-1] == template_ids(server, chat, [CHAT_TOOL])  # the call and its result reached the prompt
+
+
+def test_forced_tool_choice_and_none(server, client, prompts):
+    server.script(CALL)
+    forced = client.responses.create(model=MODEL, input="x", tools=[TOOL], max_output_tokens=128,
+                                     tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    assert [o.type for o in forced.output] == ["function_call"]
+    assert forced.tool_choice.name == "get_weather"
+    off = client.responses.create(model=MODEL, input="x", tools=[TOOL], tool_choice="none", max_output_tokens=128)
+    assert off.output_text == CALL and prompts[-1] == template_ids(server, [{"role": "user", "content": "x"}])
+
+
+def test_json_schema_format_validates(server, client):
+    fmt = {"type": "json_schema", "name": "place", "schema": SCHEMA, "strict": True}
+    for reply in (client.responses.create(model=MODEL, input="city?", text={"format": fmt}, max_output_tokens=40),
+                  rt.Response.model_validate(events(server, {"input": "city?", "text": {"format": fmt},
+                                                             "max_output_tokens": 40})[-1].response)):  # fmt: skip
+        jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+        assert reply.text.format.type == "json_schema"
+
+
+def test_incomplete_at_max_output_tokens(server):
+    server.script("one two three four five six")
+    whole = rt.Response.model_validate(post(server, {"input": "count", "max_output_tokens": 2}).json())
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output[0].status == "incomplete" and whole.usage.output_tokens == 2
+    stream = events(server, {"input": "count", "max_output_tokens": 2})
+    assert stream[-1].type == "response.incomplete" and stream[-1].response.status == "incomplete"
+
+
+def test_reasoning_item_and_effort(server, monkeypatch):
+    monkeypatch.setattr(server.app.state, "reasoning_parser", "qwen3")
+    server.script(THOUGHT)
+    whole = rt.Response.model_validate(post(server, {"input": "2+2?", "reasoning": {"effort": "low"}}).json())
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "The user adds 2 and 2." and whole.output_text == "The answer is 4."
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    stream = events(server, {"input": "2+2?"})
+    assert "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta") == "The user adds 2 and 2."
+    assert same_items(stream[-1].response, whole)
+    # effort reaches the template as reasoning_effort, exactly as the chat route's field does
+    tokenizer = server.tokenizer.with_chat_template("{{ messages[0]['content'] }} effort={{ reasoning_effort }}")
+    kw = {"vocab_size": server.engine.model.config.vocab_size, "context": 2048}
+    got = parse_responses({"input": "q", "reasoning": {"effort": "high"}}, [], tokenizer, **kw).chat.prompt
+    assert got == parse_chat({"messages": [{"role": "user", "content": "q"}], "reasoning_effort": "high"},
+                             tokenizer, **kw).prompt  # fmt: skip
+    assert tokenizer.decode(got).endswith("effort=high")
+    assert tokenizer.decode(parse_responses({"input": "q"}, [], tokenizer, **kw).chat.prompt).endswith("effort=")
+
+
+def test_previous_response_id_continues_and_get_delete(server, client, prompts):
+    server.script("first answer")
+    first = client.responses.create(model=MODEL, input="hi", instructions="Sys.", max_output_tokens=16)
+    server.script("second answer")
+    second = client.responses.create(model=MODEL, input="more", previous_response_id=first.id, max_output_tokens=16)
+    assert second.output_text == "second answer" and second.previous_response_id == first.id
+    # instructions are not carried over (OpenAI's rule); the first turn's input and output are
+    assert prompts[-1] == template_ids(server, [{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "first answer"},
+                                                {"role": "user", "content": "more"}])  # fmt: skip
+    got = client.responses.retrieve(second.id)
+    assert got.model_dump() == second.model_dump()
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    r = post(server, {"input": "x", "previous_response_id": second.id}, 404)
+    assert r.json()["error"]["param"] == "previous_response_id"
+    unstored = client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=4)
+    post(server, {"input": "x", "previous_response_id": unstored.id}, 404)
+
+
+def test_store_bound_evicts_least_recently_used(server, client, monkeypatch):
+    store = store_of(server.app.state)
+    monkeypatch.setattr(store, "max_count", 2)
+    server.script("ok")
+    a, b = (client.responses.create(model=MODEL, input="x", max_output_tokens=4) for _ in range(2))
+    client.responses.retrieve(a.id)  # a is now the most recently used: b goes first
+    c = client.responses.create(model=MODEL, input="x", max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(b.id)
+    assert client.responses.retrieve(a.id).id == a.id and client.responses.retrieve(c.id).id == c.id
+    monkeypatch.setattr(store, "max_count", 100)
+    monkeypatch.setattr(store, "max_bytes", store.bytes + 10)  # room for nothing more: the next evicts the oldest
+    d = client.responses.create(model=MODEL, input="x", max_output_tokens=4)
+    assert len(store) <= 2 and store.bytes <= store.max_bytes
+    assert client.responses.retrieve(d.id).id == d.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(a.id)
+
+
+@pytest.mark.parametrize(("fields", "status", "param"), [
+    ({"background": True}, 400, "background"),
+    ({"conversation": "conv_1"}, 400, "conversation"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, 400, "tools[0].type"),
+    ({"frobnicate": 1}, 400, "frobnicate"),
+    ({"max_output_tokens": 10**9}, 400, "max_output_tokens"),
+    ({"temperature": 5}, 400, "temperature"),
+    ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, 400,
+     "input[0].content[0].type"),
+    ({"input": None}, 400, "input"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, 400, "tool_choice"),
+    ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
+    ({"previous_response_id": "resp_missing"}, 404, "previous_response_id"),
+])  # fmt: skip
+def test_unsupported_and_bad_fields_name_the_param(server, fields, status, param):
+    error = post(server, {"input": "x", **fields}, status).json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_get_and_delete_unknown_are_404(server, client):
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{server.base_url}/v1/responses/resp_nope", headers=HEADERS, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+
+
+def test_stream_disconnect_aborts(server):
+    server.script("word " * 400)
+    body = {"model": MODEL, "input": "x", "stream": True, "max_output_tokens": 400}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, headers=HEADERS, timeout=30) as r:
+        for line in r.iter_lines():
+            if "output_text.delta" in line:
+                break
+    server.wait_idle()
+    assert server.kv_in_use() == 0
