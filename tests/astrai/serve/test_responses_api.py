@@ -8,6 +8,7 @@ tokenizer directly to the chat messages a Responses input stands for; structured
 
 from __future__ import annotations
 
+import asyncio
 import json
 import typing
 
@@ -256,3 +257,34 @@ def test_stream_disconnect_aborts(server):
                 break
     server.wait_idle()
     assert server.kv_in_use() == 0
+
+
+def test_openai_agents_default_agent_finishes_a_tool_loop(server, monkeypatch):
+    """The agents SDK's default model is the Responses API: its Agent calls the tool, then answers with its result."""
+    agents = pytest.importorskip("agents")
+    said, submit, seen = [CALL, "It is sunny in Paris."], server.engine.submit, []
+
+    def scripted(prompt, params=None, **kw):  # each engine request says the next line
+        server.script(said[min(len(seen), len(said) - 1)])
+        seen.append(server.tokenizer.decode(list(prompt), skip_special_tokens=False))
+        return submit(prompt, params, **kw)
+
+    monkeypatch.setattr(server.engine, "submit", scripted)
+    agents.set_tracing_disabled(True)
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        cities.append(city)
+        return "sunny"
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0) as oai:
+            model = agents.OpenAIResponsesModel(model=MODEL, openai_client=oai)
+            agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model)
+            return await agents.Runner.run(agent, "Weather in Paris?")
+
+    result = asyncio.run(run())
+    assert cities == ["Paris"] and result.final_output == "It is sunny in Paris."
+    assert len(seen) == 2 and "sunny" in seen[1] and "get_weather" in seen[1]  # the tool's result reached turn 2
