@@ -318,23 +318,29 @@ async def _create(state: ServerState, request: Request) -> Response:
         common.log_request(head["id"], request.url.path, req.messages, req.chat.params)
     events = _run(state, request, body, req, head)
     if req.chat.stream:
-        return common.stream_response(_framed(events))
+        return common.stream_response(_framed(state, events))
     last: dict = {}
     try:
         async for last in events:  # noqa: B007 - the last event holds the whole response
             pass
     except APIError as err:
         raise attrs.evolve(err, param=rename_param(err.param)) from None
-    return JSONResponse(last["response"])
+    return await _json(state, last["response"])
 
 
-async def _framed(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """SSE frames (`event:` the type), an `error` event when the request fails after the stream began."""
+async def _json(state: ServerState, response: dict) -> Response:
+    """A response object as JSON, serialized on the worker pool (it echoes the request's tools and instructions)."""
+    return Response(await state.offload(json.dumps, response, ensure_ascii=False), media_type="application/json")
+
+
+async def _framed(state: ServerState, events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """SSE frames (`event:` the type), an `error` event when the request fails after the stream began. Events that
+    carry the whole response (it echoes the request's tools) are framed on the worker pool."""
     seq = 0
     try:
         async for event in events:
             seq = event["sequence_number"] + 1
-            yield sse(event, event["type"])
+            yield await state.offload(sse, event, event["type"]) if "response" in event else sse(event, event["type"])
     except APIError as err:
         error = {"type": "error", "code": err.code or err.type, "message": err.message,
                  "param": rename_param(err.param), "sequence_number": seq}  # fmt: skip
@@ -360,7 +366,7 @@ def routes(state: ServerState, *, max_stored: int = DEFAULT_MAX_STORED,
         return await _create(state, request)
 
     async def retrieve(request: Request) -> Response:
-        return JSONResponse(store.get(found(request)).response)
+        return await _json(state, store.get(found(request)).response)
 
     async def delete(request: Request) -> Response:
         response_id = found(request)

@@ -18,8 +18,9 @@ import openai
 import openai.types.responses as rt
 import pytest
 
+from astrai.serve.common import APIError
 from astrai.serve.openai_protocol import parse_chat
-from astrai.serve.responses_api import store_of
+from astrai.serve.responses_api import _framed, store_of
 from astrai.serve.responses_protocol import parse_responses
 
 KEY, MODEL = "test-key", "tiny-test"
@@ -118,6 +119,11 @@ def test_function_tool_loop_create_and_stream(server, client, prompts):
         seen = [e.type for e in s]
         streamed = s.get_final_response()
     assert "response.function_call_arguments.delta" in seen and "response.function_call_arguments.done" in seen
+    raw = events(server, {"input": "Weather in Paris?", "tools": [TOOL], "max_output_tokens": 128})
+    deltas = "".join(e.delta for e in raw if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in raw if e.type == "response.function_call_arguments.done"]
+    (item,) = [e.item for e in raw if e.type == "response.output_item.done"]
+    assert deltas == done.arguments == item.arguments == call.arguments and done.item_id == item.id
     assert same_items(streamed, first) or [o.type for o in streamed.output] == ["function_call"]
     server.script("It is sunny.")
     history = [{"role": "user", "content": "Weather in Paris?"}, *[o.model_dump(exclude_none=True) for o in
@@ -242,6 +248,23 @@ def test_unsupported_and_bad_fields_name_the_param(server, fields, status, param
     assert error["param"] == param and error["message"] and error["type"]
 
 
+def test_error_after_the_stream_began_is_an_error_event(server):
+    """A failure mid-stream (the engine died, a constraint failed) ends the stream with the SDK's `error` event,
+    numbered after the last event sent and naming the Responses field."""
+
+    async def failing():
+        yield {"type": "response.created", "sequence_number": 0}
+        raise APIError(400, "the grammar reached a dead end", param="response_format")
+
+    async def frames():
+        return [f async for f in _framed(server.app.state, failing())]
+
+    *_, last = asyncio.run(frames())
+    assert last.startswith("event: error\n")
+    error = rt.ResponseErrorEvent.model_validate(json.loads(last.split("data: ", 1)[1]))
+    assert error.sequence_number == 1 and error.param == "text.format" and "dead end" in error.message
+
+
 def test_get_and_delete_unknown_are_404(server, client):
     for method in ("GET", "DELETE"):
         r = httpx.request(method, f"{server.base_url}/v1/responses/resp_nope", headers=HEADERS, timeout=10)
@@ -259,7 +282,8 @@ def test_stream_disconnect_aborts(server):
     assert server.kv_in_use() == 0
 
 
-def test_openai_agents_default_agent_finishes_a_tool_loop(server, monkeypatch):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_default_agent_finishes_a_tool_loop(server, monkeypatch, streamed):
     """The agents SDK's default model is the Responses API: its Agent calls the tool, then answers with its result."""
     agents = pytest.importorskip("agents")
     said, submit, seen = [CALL, "It is sunny in Paris."], server.engine.submit, []
@@ -283,7 +307,12 @@ def test_openai_agents_default_agent_finishes_a_tool_loop(server, monkeypatch):
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0) as oai:
             model = agents.OpenAIResponsesModel(model=MODEL, openai_client=oai)
             agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model)
-            return await agents.Runner.run(agent, "Weather in Paris?")
+            if not streamed:
+                return await agents.Runner.run(agent, "Weather in Paris?")
+            result = agents.Runner.run_streamed(agent, "Weather in Paris?")
+            async for _ in result.stream_events():
+                pass
+            return result
 
     result = asyncio.run(run())
     assert cities == ["Paris"] and result.final_output == "It is sunny in Paris."
