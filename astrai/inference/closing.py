@@ -100,6 +100,7 @@ class _Lexer:
         return "digit" if chr(self.last) in "0123456789.eE+-" else "outside"
 
 
+EXPANSIONS = 2000  # matcher steps one search for a patterned string's end may take (~10-20 us each at 150k tokens)
 CANDIDATES = 4096  # per lexical state, the best-scoring tokens checked first (a full scan only when none is allowed)
 
 
@@ -161,6 +162,102 @@ def _closer_token(tail: bytes, closers: tuple[bytes, ...], row: torch.Tensor, by
     return None
 
 
+def _allows(row: torch.Tensor, ids: np.ndarray) -> bool:
+    """Whether the bitmask `row` allows any of `ids` (a handful: a few Python reads beat numpy's overhead)."""
+    words = row.numpy()
+    return any((int(words[t >> 5]) >> (t & 31)) & 1 for t in ids.tolist())
+
+
+def _quote_ids(view: TokenizerView) -> np.ndarray:
+    """The tokens whose allowance says a JSON string may close here: the quote alone (or, in a vocabulary
+    without it, every token that starts with a quote), and EOS (a regex grammar may end in what the lexer reads
+    as a string)."""
+    cached = getattr(view, "_closing_quotes", None)
+    if cached is None:
+        quote = _by_bytes(view).get(b'"')
+        ids = [quote] if quote is not None else [i for i, b in enumerate(view.token_bytes) if b[:1] == b'"']
+        ids += list(view.eos_token_ids)
+        cached = view._closing_quotes = np.array([i for i in ids if i < view.vocab_size], dtype=np.int64)
+    return cached
+
+
+# the byte classes a string search branches on, one token per class (the first allowed), in this order; every
+# other printable byte but the quote and the backslash (JSON escapes) is a class of its own
+_CLASSES = [bytes(range(ord("a"), ord("z") + 1)), b"0123456789", bytes(range(ord("A"), ord("Z") + 1))]
+_CLASSES += [bytes([b]) for b in range(0x20, 0x7F) if not any(b in c for c in _CLASSES) and b not in b'"\\']
+
+
+def _class_tokens(view: TokenizerView) -> tuple[np.ndarray, np.ndarray]:
+    """The single-byte tokens of `_CLASSES`' bytes, class by class (in byte order), and each one's class."""
+    cached = getattr(view, "_closing_classes", None)
+    if cached is None:
+        by_bytes = _by_bytes(view)
+        pairs = [(t, k) for k, c in enumerate(_CLASSES) for b in c if (t := by_bytes.get(bytes([b]))) is not None]
+        cached = view._closing_classes = (np.array([t for t, _ in pairs], dtype=np.int64),
+                                          np.array([k for _, k in pairs], dtype=np.int64))  # fmt: skip
+    return cached
+
+
+def _branches(words: np.ndarray, ids: np.ndarray, classes: np.ndarray) -> list[int]:
+    """The first token of each byte class that the bitmask `words` allows, in class order."""
+    allowed = ((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)
+    _, first = np.unique(classes[allowed], return_index=True)
+    return ids[allowed][first].tolist()
+
+
+def _skeleton(data: bytes) -> bytes:
+    """The punctuation of a string's text, in order: where a patterned string stands in its structure."""
+    return bytes(b for b in data if not (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122))
+
+
+def _finish_string(matcher, row: torch.Tensor, view: TokenizerView, limit: int) -> list[int] | None:
+    """The shortest token sequence (at most `limit`) after which a string the grammar holds open may close.
+
+    The greedy rollout would loop in a patterned string (`[a-z]+@...` writes the lowest letter for ever), so here a
+    breadth-first search runs over copies of the llguidance matcher `matcher` (whose mask is `row`): each state
+    branches on the first allowed single-byte token of each byte class (a letter, a digit, a capital, each
+    punctuation byte) and on the greedy choice; a child whose mask equals a sibling's is dropped (`!` where `a`
+    does the same), and so is a state whose mask and punctuation (`_skeleton`) another state of its depth has.
+    The first state that allows a closing quote (or EOS) ends it: `a@a.aa` for an email, `0001-01-01` for a
+    date. At most `EXPANSIONS` matcher steps; None when no end is found within them (the greedy rollout goes on)."""
+    prefs, classes, quotes = _preferences(view), _class_tokens(view), _quote_ids(view)
+    layer = [(matcher, row.clone(), [], b"")]
+    steps = 0
+    for _ in range(limit):
+        seen: set[tuple[bytes, bytes]] = set()
+        nxt = []
+        for node, mask, tokens, skeleton in layer:
+            branches = _branches(mask.numpy(), *classes)
+            best = prefs.best("string", mask, view.vocab_size)
+            if best is not None and best not in branches:
+                branches.append(best)
+            siblings: set[bytes] = set()
+            for token in branches:
+                steps += 1
+                if steps > EXPANSIONS:
+                    return None
+                child = node.deep_copy()
+                if not child.consume_token(token) or child.is_error():
+                    continue
+                child_mask = allocate_bitmask(1, view.vocab_size)[0]
+                child.unsafe_compute_mask_ptr(child_mask.data_ptr(), child_mask.numel() * 4)
+                if child.is_error():
+                    continue
+                if child.is_stopped() or _allows(child_mask, quotes):
+                    return [*tokens, token]
+                key = child_mask.numpy().tobytes()
+                shape = skeleton + _skeleton(view.token_bytes[token])
+                if key in siblings or (key, shape) in seen:
+                    continue
+                siblings.add(key)
+                seen.add((key, shape))
+                nxt.append((child, child_mask, [*tokens, token], shape))
+        if not nxt:
+            return None
+        layer = nxt
+    return None
+
+
 def closing_path(matcher: Matcher, limit: int, prefix: bytes = b"", closers: tuple[str, ...] = ()) -> list[int] | None:
     """The greedy closing path from `matcher`'s state (ending with EOS, or where the grammar stops), at most
     `limit` tokens; None when it does not finish within `limit`, or the matcher fails on the way (or already has).
@@ -195,6 +292,14 @@ def rollout(matcher: Matcher, limit: int, prefix: bytes = b"",
         eos = [t for t in view.eos_token_ids if t < view.vocab_size and (int(row[0, t >> 5]) >> (t & 31)) & 1]
         if eos:
             return [*path, eos[0]], None, len(path)
+        if lexer.state == "string" and not _allows(row[0], _quote_ids(view)):  # a patterned string: search its end
+            rest = _finish_string(m, row[0], view, limit - len(path))
+            if rest:
+                for token in rest:
+                    m.consume_token(token)  # taken on a copy along the same path: it cannot fail here
+                    path.append(token)
+                    lexer.feed(view.token_bytes[token])
+                continue
         token = _closer_token(tail, ends, row[0], _by_bytes(view)) if ends and lexer.state != "string" else None
         token = prefs.best(lexer.state, row[0], view.vocab_size) if token is None else token
         if token is None:

@@ -39,6 +39,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from astrai.inference.params import GrammarSpec
+from astrai.inference.schema_rewrite import ecma_regex, rewrite_schema
 from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer
 
@@ -155,8 +156,16 @@ def json_schema_grammar(schema: Mapping[str, Any] | str, *, options: Mapping[str
     """A JSON schema (dict or JSON text); `options` are llguidance's JSON options (default COMPACT_JSON).
 
     Properties come out in the schema's order; the schema's own ``x-guidance`` options, if any, win over `options`.
+    Patterns read as ECMA-262 (`\\d` is `[0-9]`), and `date`, `time`, `date-time`, `email` formats admit only what
+    pydantic and jsonschema accept (`schema_rewrite`).
     """
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise GrammarError(f"invalid JSON schema: {e}") from e
     try:
+        schema = rewrite_schema(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=dict(options or COMPACT_JSON))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid JSON schema: {e}") from e
@@ -168,8 +177,9 @@ def json_object_grammar() -> str:
 
 
 def regex_grammar(pattern: str) -> str:
-    """A regular expression (Rust `regex` syntax), matched in full."""
-    return llguidance.LLMatcher.grammar_from_regex(pattern)
+    """A regular expression (Rust `regex` syntax, except that `\\d` and `\\w` are ASCII, as in ECMA-262, which
+    JSON Schema patterns follow), matched in full."""
+    return llguidance.LLMatcher.grammar_from_regex(ecma_regex(pattern))
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from astrai.inference.params import GrammarSpec
+from astrai.inference.schema_rewrite import ecma_regex, rewrite_schema
 from astrai.serve.tool_parsers import value_kinds
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
@@ -57,7 +58,8 @@ def _regex_lit(text: str) -> str:
 
 
 def _json(rule: str, schema: dict[str, Any]) -> str:
-    return f"{rule}: %json " + json.dumps({**schema, "x-guidance": _CALL_JSON})
+    # ECMA-262 \d and validator-safe formats, as `grammar.json_schema_grammar` compiles a schema
+    return f"{rule}: %json " + json.dumps({**rewrite_schema(schema), "x-guidance": _CALL_JSON})
 
 
 def call_schema(name: str, parameters: dict[str, Any] | None, arguments_key: str = "arguments") -> dict[str, Any]:
@@ -171,14 +173,15 @@ def _coder_parameter(rule: str, key: str, schema: dict[str, Any], defs: dict[str
 
 
 def _text_regex(schema: dict[str, Any]) -> str:
-    """The regex of a text value: its `pattern` (anchored as JSON schema reads it: a search), else any text of
-    `minLength`..`maxLength` characters."""
+    """The regex of a text value: its `pattern` (anchored as JSON schema reads it: a search; `\\d` ASCII, as
+    ECMA-262 reads it, where a Lark regex is Rust's Unicode class), else any text of `minLength`..`maxLength`
+    characters."""
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and pattern:
         start = "" if pattern.startswith("^") else "(?s:.*)"
         end = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
         inner = pattern.removeprefix("^").removesuffix("$") if end == "" else pattern.removeprefix("^")
-        return f"{start}(?:{inner.replace('/', chr(92) + '/')}){end}"
+        return f"{start}(?:{ecma_regex(inner).replace('/', chr(92) + '/')}){end}"
     low = schema.get("minLength", 0)
     high = schema.get("maxLength")
     low = low if isinstance(low, int) and low >= 0 else 0
