@@ -41,6 +41,11 @@ class SeqText:
             self._detok = tokenizer.detokenizer(skip_special_tokens=seq.params.skip_special_tokens, prompt_ids=context)
         self._stops = StopStringMatcher(seq.params.stop, include_stop=seq.params.include_stop_str_in_output)
 
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stops.matched if self.stopped else None
+
     def advance(self) -> tuple[str, list[int], int]:
         """Consume the sequence's tokens not yet emitted.
 
@@ -98,7 +103,7 @@ class RequestDelivery:
                 logprobs=tuple(seq.logprobs[first:]) if params.logprobs or params.top_logprobs else None,
                 top_logprobs=tuple(tuple(t) for t in seq.top_logprobs[first:]) if params.top_logprobs else None,
                 finish_reason=seq.finish_reason if out.done else None,
-                stop_reason=_stop_reason(seq) if out.done else None,
+                stop_reason=_stop_reason(seq, out) if out.done else None,
             ))  # fmt: skip
         return all_done
 
@@ -117,7 +122,7 @@ class RequestDelivery:
                 text=out.text,
                 token_ids=tuple(seq.outputs),
                 finish_reason=seq.finish_reason,
-                stop_reason=_stop_reason(seq),
+                stop_reason=_stop_reason(seq, out),
                 logprobs=tuple(seq.logprobs) if (seq.params.logprobs or seq.params.top_logprobs) else None,
                 top_logprobs=tuple(tuple(t) for t in seq.top_logprobs) if seq.params.top_logprobs else None,
             )  # fmt: skip
@@ -128,6 +133,15 @@ class RequestDelivery:
                                    cached_tokens=max(lead.num_cached, 0), outputs=outputs))  # fmt: skip
 
 
-def _stop_reason(seq: Seq) -> str | None:
-    """ "budget" when budget-aware closing shaped the end of a constrained output that finished "stop"."""
-    return "budget" if seq.finish_reason == "stop" and seq.steering is not None and seq.steering.steered else None
+def _stop_reason(seq: Seq, out: SeqText) -> str | int | None:
+    """vLLM's `stop_reason` of a sequence that finished "stop": the stop string that ended it, or the id from
+    `stop_token_ids` it ended on; None for EOS (and for every other finish). astrai adds "budget": budget-aware
+    closing shaped the end of a constrained output."""
+    if seq.finish_reason != "stop":
+        return None
+    if out.matched is not None:
+        return out.matched
+    if seq.steering is not None and seq.steering.steered:
+        return "budget"
+    last = seq.outputs[-1] if seq.outputs else None
+    return last if last in seq.params.stop_token_ids and len(seq.outputs) > seq.params.min_tokens else None

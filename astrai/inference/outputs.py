@@ -15,7 +15,8 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
-    stop_reason: str | None = None  # "budget": the end of a constrained output was steered to fit max_tokens
+    stop_reason: str | int | None = None  # the stop string or `stop_token_ids` id that ended it (vLLM's field; None
+    # for EOS), or "budget": the end of a constrained output was steered to fit max_tokens
 
 
 @attrs.frozen(kw_only=True)
@@ -43,4 +44,4 @@ class Delta:
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None  # on the last one: "budget" as in `CompletionOutput.stop_reason`
+    stop_reason: str | int | None = None  # on the last one, as `CompletionOutput.stop_reason`

@@ -176,7 +176,7 @@ class Generation:
         parsed = (self.parser.feed(text) if self.parser else [TextDelta(text)]) if text else []
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason
-            parsed += self.parser.finish() if self.parser else []
+            parsed += self.parser.finish(delta.finish_reason == "length") if self.parser else []  # cut: no markup
         events = self.writer.think(reasoning) if reasoning else []
         events += [ev for p in parsed for ev in self.writer.push(p)]
         return events + (self.writer.finish() if delta.finish_reason is not None else [])

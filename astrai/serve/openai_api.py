@@ -138,9 +138,9 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
     texts = TokenBytes(state.tokenizer, as_ids=chat.tokens_as_ids)
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None,
-              stop_reason: str | None = None) -> str:  # fmt: skip
+              stop_reason: str | int | None = None) -> str:  # fmt: skip
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                  **_stop_reason(stop_reason)}  # fmt: skip
+                  **_stop_reason(stop_reason, finish is not None)}  # fmt: skip
         return sse({**head, "choices": [choice], **tail})
 
     parsers = [new_parser(state.tool_parser, chat.tool_names, chat.tool_schemas, forced=chat.forced)
@@ -158,7 +158,7 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
                 thinker = thinkers[d.index]
                 reasoning, text = sort_events(thinker.feed(d.text) + (thinker.finish() if d.finish_reason else []))
             if chat.parse:
-                events = parser.feed(text) + (parser.finish() if d.finish_reason else [])
+                events = parser.feed(text) + (parser.finish(d.finish_reason == "length") if d.finish_reason else [])
             else:
                 events = [TextDelta(text)] if text else []
             lp = None
@@ -176,10 +176,12 @@ async def _chat_stream(state: ServerState, request: Request, handle: RequestHand
         yield event
 
 
-def _stop_reason(reason: str | None) -> dict:
-    """vLLM's `stop_reason` choice field, when there is one: "budget" says the end of a constrained output was
-    steered to fit `max_tokens` (`astrai.inference.closing`; in the final streamed chunk too)."""
-    return {} if reason is None else {"stop_reason": reason}
+def _stop_reason(reason: str | int | None, final: bool = True) -> dict:
+    """vLLM's `stop_reason` choice field: the stop string that ended the output, the `stop_token_ids` id it
+    ended on, null for EOS and every other end; astrai's "budget" says the end of a constrained output was steered
+    to fit `max_tokens` (`astrai.inference.closing`). Always in a reply's choices; in a stream, in each choice's
+    final chunk only (as vLLM, which leaves unset fields out of its chunks)."""
+    return {"stop_reason": reason} if final else {}
 
 
 def no_free_text(chat: ChatRequest) -> bool:
@@ -213,8 +215,8 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         answer, reasoning = out.text, None
         if state.reasoning_parser is not None:
             reasoning, answer = split(state.reasoning_parser, out.text, start)
-        text, calls = (parse(state.tool_parser, answer, chat.tool_names, chat.tool_schemas, forced=chat.forced)
-                       if chat.parse else (answer, []))  # fmt: skip
+        text, calls = (parse(state.tool_parser, answer, chat.tool_names, chat.tool_schemas, forced=chat.forced,
+                             cut=out.finish_reason == "length") if chat.parse else (answer, []))  # fmt: skip
         text = chat.echo + text
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if state.reasoning_parser is not None:
@@ -376,7 +378,7 @@ async def _completion_stream(state: ServerState, request: Request, handles: list
             offsets[index] = offset + len(d.text)
             finish = _finish(d.finish_reason, False) if d.finish_reason else None
             choice = {"index": index, "text": piece, "logprobs": lp, "finish_reason": finish,
-                      **_stop_reason(d.stop_reason)}  # fmt: skip
+                      **_stop_reason(d.stop_reason, finish is not None)}  # fmt: skip
             yield sse({**head, "choices": [choice], **tail})
     except APIError as err:
         yield _error_event(err)

@@ -204,13 +204,18 @@ class ToolCallParser:
         self._compact()
         return self._take()
 
-    def finish(self) -> list[Event]:
-        """End of generation: release held text, announce bare calls, turn an unterminated call into text."""
-        if self._forced:  # a forced output is only calls: drop the unfinished one (and a half-written tag)
+    def finish(self, cut: bool = False) -> list[Event]:
+        """End of generation: release held text, announce bare calls, turn an unterminated call into text.
+
+        `cut`: the token budget ended the output (finish_reason "length"): a call it cut short, and a half-written
+        `<tool_call>` tag, are dropped rather than given back as text, so under tool_choice "auto" no markup reaches
+        the content (a forced output always drops them)."""
+        tail = self._all[self._cur :].strip(_WS)
+        if self._forced or cut:  # drop the unfinished call (and a half-written tag)
             if self._mode == "call":
                 self._all, self._cur, self._mode = self._all[: self._tag_at], self._tag_at, "text"
-            elif self._mode in ("text", "after") and OPEN.startswith(self._all[self._cur :].strip(_WS)):
-                self._all = self._all[: self._cur]
+            elif self._mode in ("text", "after") and OPEN.startswith(tail) and (tail or self._forced):
+                self._all = self._all[: self._cur]  # the held-back tag and the whitespace before it
         self._run(final=True)
         self._mode = "done"
         return self._take()

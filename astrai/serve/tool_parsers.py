@@ -64,7 +64,7 @@ class Parser(Protocol):
 
     def feed(self, text: str) -> list[Event]: ...
 
-    def finish(self) -> list[Event]: ...
+    def finish(self, cut: bool = False) -> list[Event]: ...
 
 
 def _loads(text: str) -> Any:
@@ -171,6 +171,7 @@ class MarkupParser(abc.ABC):
         self._buf, self._cur, self._tag_at, self._mode = "", 0, 0, "start"  # start | text | region | after
         self._strings: _Strings | None = None  # the open region's scan for CLOSE (JSON formats)
         self._events: list[Event] = []
+        self._cut = False  # finish(cut=True): the budget ended the output
 
     @abc.abstractmethod
     def decode(self, region: str) -> Decoded:
@@ -185,8 +186,16 @@ class MarkupParser(abc.ABC):
             self._buf, self._cur, self._tag_at = self._buf[self._cur :], 0, 0
         return self._take()
 
-    def finish(self) -> list[Event]:
-        """End of generation: release held text, decode an open region (or give it back as text)."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """End of generation: release held text, decode an open region (or give it back as text).
+
+        `cut`: the token budget ended the output (finish_reason "length"): a marked region it left unterminated
+        keeps its complete calls (as a forced output's) and the rest is dropped, as is a half-written start
+        marker, so under tool_choice "auto" no markup reaches the content. A bare region (an output that is only
+        JSON, no marker) stays text: nothing marked it as a call."""
+        self._cut = cut
+        if cut and self._mode == "text" and _partial_suffix(self._buf[self._cur :], self.OPEN):
+            self._buf = self._buf[: self._cur]  # the held-back marker and the whitespace before it
         self._run(final=True)
         self._mode = "done"
         return self._take()
@@ -254,10 +263,12 @@ class MarkupParser(abc.ABC):
         region = self._buf[self._cur : end if end >= 0 else len(self._buf)]
         stop = end + len(close) if end >= 0 and close is not None else len(self._buf)
         decoded = self.decode(region)
-        if decoded is None and final and self._forced:
+        dropped = final and end < 0 and self._cut and not self._bare  # a marked call the budget cut short
+        if decoded is None and final and (self._forced or dropped):
             decoded = self._salvage(region)
-        if decoded is None:  # the markup becomes text, as written (dropped from a forced output)
-            self._emit_text(self._buf[self._tag_at : stop])
+        if decoded is None:  # the markup becomes text, as written (dropped from a forced output, or a cut one)
+            if not dropped:
+                self._emit_text(self._buf[self._tag_at : stop])
             self._cur, self._mode, self._strings = stop, "text", None
             return True
         for name, args in decoded:
@@ -471,11 +482,12 @@ def new_parser(name: str, tool_names: Sequence[str] | None = None, tools: Mappin
 
 
 def parse(name: str, text: str, tool_names: Sequence[str] | None = None, tools: Mapping[str, Any] | None = None, *,
-          forced: bool = False) -> tuple[str, list[ToolCall]]:  # fmt: skip
-    """Parse a whole output at once: (content without tool-call markup, calls)."""
+          forced: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]:  # fmt: skip
+    """Parse a whole output at once: (content without tool-call markup, calls); `cut`: the budget ended it
+    (`finish(cut=True)`: a call it cut short is dropped, not returned as text)."""
     parser = new_parser(name, tool_names, tools, forced=forced)
     parser.feed(text)
-    parser.finish()
+    parser.finish(cut)
     return parser.text, parser.calls
 
 
