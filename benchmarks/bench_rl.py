@@ -6,22 +6,27 @@ top-k/top-p), with the sampled tokens' log-probs, which a GRPO trainer needs. as
 request per prompt with n = G (the G sequences share the prompt's KV) and `logprobs=True`, the way
 `astrai.train.rollout` calls it. transformers: `generate(do_sample=True, num_return_sequences=G,
 min_new_tokens=max_new_tokens=C, output_logits=True)` on the P prompts as one batch (equal lengths: no padding),
-then log_softmax + gather of the sampled tokens (timed with it). Each side runs once untimed (warm-up, compiles),
-then `--repeats` timed runs alternate; medians with min..max of generated tokens/s (P * G * C tokens).
+then log_softmax + gather of the sampled tokens (timed with it), on its eager path (`eager`) and, with
+`--baseline static-compile`, on a static cache with transformers' own `torch.compile` of the decode forward, warmed
+at its shape. Each system runs once untimed (warm-up, compiles; its seconds are recorded as `first_s`), then
+`--repeats` rounds alternate the systems; medians with min..max of generated tokens/s (P * G * C tokens).
 
 GRPO step: `astrai.train.loop.train` with `TrainConfig.grpo` on the same model shape (vocabulary from the
 quickstart's character tokenizer), addition prompts, G samples of up to C tokens, beta > 0 (so the reference forward
 is measured); the per-step split `rollout_s` (generation), `reference_s` (reference forward), `reward_s` and
 `train_s` (forward + backward + optimizer) read from the run's metrics, averaged over the steps after the first.
 
-Presets: `cpu` (the scaled-down Qwen3 of bench_throughput, ~54M params), `smoke` (tiny; seconds); both eager on
-both sides (`--compile` compiles the engine's decode and the train step: minutes of inductor on 2 cores).
+Presets: `cpu` (the scaled-down Qwen3 of bench_throughput, ~54M params): the compiled engine (decode step and
+sampler, as a GRPO run with `TrainConfig.compile` gets them) against transformers eager; `smoke` (tiny; seconds),
+eager. `--compile` also compiles the GRPO train step of the step-split section (minutes of inductor on 2 cores);
+`--grpo-compile/--no-grpo-compile` sets that section alone.
 Prints rich tables and the JSON report as the last stdout line (also written to --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -38,9 +43,10 @@ from astrai.inference.params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu_bench_rl.json"
 PRESETS = {
-    "cpu": dict(config="qwen3-cpu", prompts=4, group=8, prompt_len=32, completion=64, repeats=2, compile=False,
-                steps=3),
-    "smoke": dict(config="tiny", prompts=2, group=4, prompt_len=8, completion=8, repeats=1, compile=False, steps=2),
+    "cpu": dict(config="qwen3-cpu", prompts=4, group=8, prompt_len=32, completion=64, repeats=3, compile=True,
+                steps=3, baseline="eager"),
+    "smoke": dict(config="tiny", prompts=2, group=4, prompt_len=8, completion=8, repeats=1, compile=False, steps=2,
+                  baseline="eager"),
 }  # fmt: skip
 
 
@@ -61,15 +67,17 @@ def astrai_rollout(engine: Engine, prompts: list[list[int]], g: int, c: int, see
     return elapsed
 
 
-def hf_rollout(hf, prompts: list[list[int]], g: int, c: int, seed: int) -> float:
-    """Seconds for transformers' sampled generate of the same shape, plus the sampled tokens' log-probs."""
+def hf_rollout(hf, prompts: list[list[int]], g: int, c: int, seed: int, static: bool = False) -> float:
+    """Seconds for transformers' sampled generate of the same shape, plus the sampled tokens' log-probs; `static`:
+    a static cache and transformers' compiled decode forward (`generate`'s own `torch.compile`)."""
     ids = torch.tensor(prompts, device=hf.device)
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                           top_p=1.0, num_return_sequences=g, max_new_tokens=c, min_new_tokens=c, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True, disable_compile=True)  # fmt: skip
+                          output_logits=True, return_dict_in_generate=True, disable_compile=not static,
+                          **({"cache_implementation": "static"} if static else {}))  # fmt: skip
         logits = torch.stack(out.logits, dim=1).float()  # [P * G, C, V]
         new = out.sequences[:, ids.shape[1] :]
         logps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
@@ -90,15 +98,28 @@ def rollout_section(args) -> dict:
     engine = Engine(model, EngineConfig(compile=args.compile, background=False, max_running=rows,
                                         kv_budget_tokens=rows * (args.prompt_len + args.completion + 32),
                                         max_model_len=args.prompt_len + args.completion + 16))  # fmt: skip
-    astrai_rollout(engine, prompts, args.group, args.completion, 0)  # warm-up
-    hf_rollout(hf, prompts, args.group, args.completion, 0)
-    times = {"astrai": [], "transformers": []}
-    for r in range(args.repeats):
-        times["astrai"].append(astrai_rollout(engine, prompts, args.group, args.completion, 100 + r))
-        times["transformers"].append(hf_rollout(hf, prompts, args.group, args.completion, 100 + r))
+    systems = {"astrai": lambda seed: astrai_rollout(engine, prompts, args.group, args.completion, seed)}
+    for path in args.baseline:
+        name = "transformers" if path == "eager" else f"transformers_{path.replace('-', '_')}"
+        systems[name] = functools.partial(hf_rollout, hf, prompts, args.group, args.completion,
+                                          static=path == "static-compile")  # fmt: skip
+    first = {name: run(0) for name, run in systems.items()}  # warm-up: compiles, caches
+    console.print(f"first calls (s): {first}", style="dim")
+    times = {name: [] for name in systems}
+    for r in range(args.repeats):  # rounds alternate the systems, so load drifts touch both alike
+        for name, run in systems.items():
+            times[name].append(run(100 + r))
+        console.print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.1f}s" for n, t in times.items()), style="dim")
     tokens = rows * args.completion
-    out = {name: dict(wall_s=spread(t), tok_s=spread([tokens / s for s in t])) for name, t in times.items()}
-    out["astrai_x"] = out["astrai"]["tok_s"]["median"] / out["transformers"]["tok_s"]["median"]
+    out = {name: dict(wall_s=spread(t), tok_s=spread([tokens / s for s in t]), first_s=first[name])
+           for name, t in times.items()}  # fmt: skip
+    hf_names = [n for n in out if n.startswith("transformers")]
+    best = max(hf_names, key=lambda n: out[n]["tok_s"]["median"])
+    # per-round ratios against the strongest transformers path (rounds are paired: the same load)
+    ratios = [a / b for a, b in zip(times[best], times["astrai"], strict=True)]
+    out["strongest_baseline"] = best
+    out["astrai_x"] = out["astrai"]["tok_s"]["median"] / out[best]["tok_s"]["median"]
+    out["astrai_x_rounds"] = spread(ratios)
     out["generated_tokens"] = tokens
     return out
 
@@ -123,7 +144,7 @@ def grpo_section(args) -> dict:
                           rewards=("exact_match", r"regex:(?s).*\d.*"))  # fmt: skip
         train = TrainConfig(data=root / "prompts.jsonl", tokenizer=tokenizer, out_dir=root / "run", model=args.config,
                             seq_len=args.completion + 64, batch_size=args.prompts, steps=args.steps,
-                            optim=AdamWConfig(lr=1e-5), compile=args.compile, grpo=grpo)  # fmt: skip
+                            optim=AdamWConfig(lr=1e-5), compile=args.grpo_compile, grpo=grpo)  # fmt: skip
         loop.train(train, cfg)
         rows = read_metrics(root / "run" / "metrics.jsonl", "train")
     timed = rows[1:] or rows
@@ -137,17 +158,27 @@ def grpo_section(args) -> dict:
 
 def show(r: dict) -> None:
     ro = r["rollout"]
-    rows = [dict(system=name, tok_s=f"{ro[name]['tok_s']['median']:.1f} ({ro[name]['tok_s']['min']:.1f}.."
-                 f"{ro[name]['tok_s']['max']:.1f})", wall_s=ro[name]["wall_s"]["median"]) for name in
-            ("astrai", "transformers")]  # fmt: skip
-    title = (f"rollouts: {r['prompts']} prompts x G {r['group']} x {r['completion']} tokens (prompt {r['prompt_len']}),"
-             f" {r['config']} fp32, logprobs; astrai {ro['astrai_x']:.2f}x transformers")  # fmt: skip
-    console.print(table(title, rows, [("system", ""), ("tok_s", ""), ("wall_s", ".3f")]))
+    if ro is not None:
+        show_rollouts(r, ro)
     g = r["grpo_step"]
+    if g is None:
+        return
     split = [dict(part=k.removesuffix("_s"), seconds=v, share=g["share"][k]) for k, v in g["seconds"].items()]
     console.print(table(f"GRPO step time split (mean of {g['timed_steps']} steps after the first; completions "
                         f"{g['completion_mean_length']:.1f} tokens, rollout {g['rollout_tok_s']:.1f} tok/s)", split,
                         [("part", ""), ("seconds", ".3f"), ("share", ".1%")]))  # fmt: skip
+
+
+def show_rollouts(r: dict, ro: dict) -> None:
+    names = [n for n in ro if n == "astrai" or n.startswith("transformers")]
+    rows = [dict(system=name, tok_s=f"{ro[name]['tok_s']['median']:.1f} ({ro[name]['tok_s']['min']:.1f}.."
+                 f"{ro[name]['tok_s']['max']:.1f})", wall_s=ro[name]["wall_s"]["median"], first_s=ro[name]["first_s"])
+            for name in names]  # fmt: skip
+    x = ro["astrai_x_rounds"]
+    title = (f"rollouts: {r['prompts']} prompts x G {r['group']} x {r['completion']} tokens (prompt {r['prompt_len']}),"
+             f" {r['config']} fp32, logprobs; astrai {ro['astrai_x']:.2f}x {ro['strongest_baseline']} (rounds "
+             f"{x['min']:.2f}..{x['max']:.2f})")  # fmt: skip
+    console.print(table(title, rows, [("system", ""), ("tok_s", ""), ("wall_s", ".3f"), ("first_s", ".1f")]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompts", "group", "prompt_len", "completion", "repeats", "steps"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
     parser.add_argument("--config", help="a name from configs/models.py or qwen3-cpu")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled engine decode and step")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled engine decode + sampler")
+    parser.add_argument(
+        "--grpo-compile",
+        action=argparse.BooleanOptionalAction,
+        help="compile the step-split run (train step and rollouts); default: --compile",
+    )
+    parser.add_argument(
+        "--baseline", nargs="+", choices=["eager", "static-compile"], help="transformers path(s) beside astrai"
+    )
+    parser.add_argument("--skip-grpo", action="store_true", help="rollouts only")
+    parser.add_argument("--skip-rollouts", action="store_true", help="the GRPO step split only")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -166,13 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if isinstance(args.baseline, str):
+        args.baseline = [args.baseline]
+    if args.grpo_compile is None:
+        args.grpo_compile = args.compile
     if args.threads:
         torch.set_num_threads(args.threads)
     report = dict(benchmark="bench_rl", preset=args.preset, config=args.config, prompts=args.prompts,
                   group=args.group, prompt_len=args.prompt_len, completion=args.completion, repeats=args.repeats,
-                  compile=args.compile, machine=machine("cpu", torch.float32, small=True))  # fmt: skip
-    report["rollout"] = rollout_section(args)
-    report["grpo_step"] = grpo_section(args)
+                  compile=args.compile, grpo_compile=args.grpo_compile, baseline=args.baseline,
+                  date=time.strftime("%Y-%m-%d"),
+                  command="python benchmarks/bench_rl.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  machine=machine("cpu", torch.float32, small=True))  # fmt: skip
+    report["rollout"] = None if args.skip_rollouts else rollout_section(args)
+    emit(report, args.out)  # the rollouts are kept if the step split fails or is cut short
+    report["grpo_step"] = None if args.skip_grpo else grpo_section(args)
+    report["machine_after"] = machine("cpu", torch.float32, small=True)  # the load may have changed: both ends
     show(report)
     emit(report, args.out)
     return 0
