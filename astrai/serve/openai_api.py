@@ -290,8 +290,8 @@ def _echo_only(state: ServerState, req: CompletionRequest, scores: list[PromptLo
     choices = []
     for k, prompt in enumerate(req.prompts):
         lp = _prompt_part(texts, scores[k]) if scores else None
-        choices += [{"index": k * req.n + j, "text": prompt.echo, "logprobs": lp, "finish_reason": "length"}
-                    for j in range(req.n)]  # fmt: skip
+        choices += [{"index": k * req.n + j, "text": prompt.echo, "logprobs": lp, "finish_reason": "length",
+                     "stop_reason": None} for j in range(req.n)]  # fmt: skip
     return choices
 
 
