@@ -182,6 +182,20 @@ def _prepare_grammar(engine: Engine) -> None:
         console.print(f"grammar engine ready ({time.perf_counter() - start:.1f} s)", highlight=False)
 
 
+def _warm_up(engine: Engine) -> None:
+    """Compile every decode batch-size graph and sampler variant now, before `serving` is printed, so that no
+    request waits on a compile (DESIGN fact F9; `ModelRunner.warm_up`). Nothing to do without `--compile`."""
+    warm_up = getattr(engine.runner, "warm_up", None)
+    if warm_up is None or not engine.config.compile:
+        return
+    start = time.perf_counter()
+    with console.status("compiling the decode step's batch sizes and the sampler's variants"):
+        done = warm_up()
+    console.print(f"compiled before serving ({time.perf_counter() - start:.1f} s): decode batch sizes "
+                  f"{done['decode'] or 'none (CUDA graphs or eager)'}, sampler variants {done['sampler']}",
+                  highlight=False)  # fmt: skip
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A socket bound to `host:port` as uvicorn binds one (IPv6 for a host with `:`), for uvicorn to listen on.
 
@@ -247,6 +261,7 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
         except GraphCaptureError as err:
             fail(str(err))
     threading.Thread(target=_prepare_grammar, args=(engine,), name="grammar-view", daemon=True).start()
+    _warm_up(engine)
     kv_tokens = engine.stats().kv_pages_total * engine_cfg.page_size
     console.print(f"KV cache: {kv_tokens:,} tokens; max model len {engine.max_model_len:,}; "
                   f"up to {engine_cfg.max_running} sequences", highlight=False)  # fmt: skip

@@ -35,7 +35,8 @@ from astrai.inference.grammar import allocate_bitmask, error_summary, fill_bitma
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.layout import layout_difference
 from astrai.inference.plan import SampledToken, ScheduledSeq
-from astrai.inference.sampler import SampleOutput, sample
+from astrai.inference.sampler import SampleOutput
+from astrai.inference.sampler_variants import SamplerVariants
 from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
 from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, decode_step, prefill_step
@@ -43,7 +44,7 @@ from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
-from astrai.ops.linear import MAX_REDUCE_ROWS
+from astrai.ops.linear import MAX_REDUCE_ROWS, reduce_rows
 from astrai.ops.moe import fused_experts_enabled
 from astrai.ops.packed_linear import is_group_packed, pack_group, packable, repack
 from astrai.tree import tree_map
@@ -216,7 +217,7 @@ class ModelRunner:
             compile_prefill = fast_paths.on_gpu(self.device)
         compile_prefill = compile_steps and compile_prefill
         self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg, **unguarded) if compile_prefill else None
-        self._sampler = torch.compile(sample, dynamic=True) if compile else sample
+        self._sampler = SamplerVariants(compiled=compile)  # a fixed set of compiled variants (sampler_variants)
         if self.compiled_prefill is not None:  # warmed up; the default is checked on CUDA, eager if it fails
             self.compiled_prefill = fast_paths.warm_prefill(self, check=auto_prefill)
         self.graphs = None
@@ -263,6 +264,29 @@ class ModelRunner:
         one step of padding requests only, which write nothing to the pool and attend to nothing."""
         tokens, meta = self._host_meta([], decode=False, rows=PREFILL_MIN_ROWS, width=2)
         self.run(StepInputs("prefill", tokens, meta, torch.zeros(PREFILL_MIN_ROWS, dtype=torch.long)))
+
+    def decode_warm_sizes(self) -> list[int]:
+        """Decode batch sizes that cover every graph the compiled CPU decode step can specialise: 1 (Dynamo's
+        size-1 specialisation), 2, and one past each few-row bound of `ops.linear` (its row-reduce branch), plus
+        `max_running`; the sizes between share a symbolic graph."""
+        sizes = {1, 2, reduce_rows(self.model.dtype) + 1, MAX_REDUCE_ROWS + 1, self.max_running}
+        return sorted(b for b in sizes if b <= self.max_running)
+
+    @torch.inference_mode()
+    def warm_up(self) -> dict[str, list]:
+        """Compile now (before a server says `serving`) everything a request could otherwise compile on first use
+        (DESIGN fact F9): the CPU decode step at `decode_warm_sizes` (padding rows only: they write to the null
+        page and attend to nothing) and every sampler variant (`sampler_variants`). The prefill step is warmed
+        in `__init__` when compiled; CUDA decode graphs are captured there. Returns what was run."""
+        done: dict[str, list] = {"decode": [], "sampler": []}
+        if self.compiled_decode is not None and self.graphs is None:
+            for rows in self.decode_warm_sizes():
+                tokens, meta = self._host_meta([], decode=True, rows=rows, width=2)
+                self.run(StepInputs("decode", tokens, meta, rows))
+                done["decode"].append(rows)
+        if self._sampler.compiled:
+            done["sampler"] = self._sampler.warm(self.cfg.vocab_size, self.device)
+        return done
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def _host_meta(

@@ -207,6 +207,14 @@ def sample(logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0, want_
     tokens = torch.where(ok, tokens, _raw_argmax(logits, allowed))
     if not (want_logprobs or top_logprobs > 0):
         return replace(_OUTPUT_TEMPLATE, tokens=tokens)
+    return raw_logprobs(logits, tokens, top_logprobs)
+
+
+def raw_logprobs(logits: Tensor, tokens: Tensor, top_logprobs: int = 0) -> SampleOutput:
+    """`tokens` [B] with their raw-logit logprobs, and the `top_logprobs` most likely ids and logprobs if > 0.
+
+    Part of `sample`; the engine calls it eagerly after its compiled draw (`sampler_variants`), so that no
+    compiled variant depends on the logprob arguments."""
     raw = logits.float().log_softmax(dim=-1)  # [B, V]
     chosen = raw.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
     if top_logprobs == 0:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from astrai.inference.params import SamplingParams
-from astrai.tree import pytree, static
+from astrai.tree import pytree, replace, static, tree_map
 
 
 @pytree
@@ -177,3 +177,33 @@ def make_sampling_batch(
         needs_sort=any(not g and (k > 0 or p.top_p < 1) for g, k, p in zip(greedy, top_k, params, strict=True)),
         all_greedy=all(greedy),
     )
+
+
+def general_batch(batch: SamplingBatch, vocab_size: int) -> SamplingBatch:
+    """`batch` with every optional field present and both static flags at their general setting, drawing the
+    same tokens: absent fields get neutral values (an all-ones grammar mask, zero bias and counts, an empty prompt
+    mask, no forbidden ids), `needs_sort` True (top-k 0 and top-p 1 keep every logit) and `all_greedy` False
+    (greedy rows still take their argmax). One compiled sampler variant then serves every combination of
+    features (`sampler_variants`)."""
+    rows, device = batch.temperature.shape[0], batch.temperature.device
+
+    def full(t: Tensor | None, dtype: torch.dtype, width: int = vocab_size, value: int = 0) -> Tensor:
+        return torch.full((rows, width), value, dtype=dtype, device=device) if t is None else t
+
+    return replace(
+        batch,
+        logit_bias=full(batch.logit_bias, torch.float32),
+        output_counts=full(batch.output_counts, torch.int32),
+        prompt_mask=full(batch.prompt_mask, torch.bool),
+        min_tokens_mask=full(batch.min_tokens_mask, torch.bool),
+        grammar_bitmask=full(batch.grammar_bitmask, torch.int32, -(-vocab_size // 32), -1),
+        needs_sort=True,
+        all_greedy=False,
+    )
+
+
+def pad_rows(batch: SamplingBatch, rows: int) -> SamplingBatch:
+    """`batch` with copies of row 0 appended up to `rows` rows (rows are independent: the copies change no other
+    row's draw)."""
+    extra = rows - batch.temperature.shape[0]
+    return tree_map(lambda t: torch.cat([t, t[:1].expand(extra, *t.shape[1:])]), batch)
