@@ -138,6 +138,47 @@ def test_function_tool_loop_create_and_stream(server, client, prompts):
     assert prompts[-1] == template_ids(server, chat, [CHAT_TOOL])  # the call and its result reached the prompt
 
 
+def test_tool_result_after_previous_response_id(server, client, prompts):
+    """The Responses-native loop: the call's result sent with `previous_response_id` (no history resent)."""
+    server.script(CALL)
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[TOOL], max_output_tokens=128)
+    server.script("It is sunny.")
+    result = {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "sunny"}
+    final = client.responses.create(model=MODEL, input=[result], previous_response_id=first.id, tools=[TOOL])
+    assert final.output_text == "It is sunny."
+    call = {"id": result["call_id"], "type": "function", "function": {"name": "get_weather",
+            "arguments": {"city": "Paris"}}}  # fmt: skip
+    chat = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None,
+            "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "name": "get_weather",
+            "content": "sunny"}]  # fmt: skip
+    assert prompts[-1] == template_ids(server, chat, [CHAT_TOOL])
+
+
+def test_fields_map_onto_the_chat_request(server):
+    """A Responses body validates to exactly the chat request of its hand-written chat-completions equivalent."""
+    kw = {"vocab_size": server.engine.model.config.vocab_size, "context": 2048}
+    fmt = {"type": "json_schema", "name": "place", "schema": SCHEMA, "strict": True}
+    body = {"input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "d"}]},
+                      {"role": "user", "content": "q"}],
+            "instructions": "sys", "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False,
+            "temperature": 0.5, "top_p": 0.9, "max_output_tokens": 77, "text": {"format": fmt}, "store": False,
+            "metadata": {"a": "b"}, "user": "u"}  # fmt: skip
+    chat = {"messages": [{"role": "system", "content": "sys"}, {"role": "developer", "content": "d"},
+                         {"role": "user", "content": "q"}],
+            "tools": [CHAT_TOOL], "tool_choice": "auto", "parallel_tool_calls": False, "temperature": 0.5,
+            "top_p": 0.9, "max_tokens": 77, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "place", "schema": SCHEMA, "strict": True}}}  # fmt: skip
+    got = parse_responses(body, [], server.tokenizer, **kw).chat
+    assert got == parse_chat(chat, server.tokenizer, **kw)
+    assert got.params.max_tokens == 77 and got.params.temperature == 0.5 and got.params.grammar is not None
+    plain = parse_responses({"input": "q", "tools": [TOOL]}, [], server.tokenizer, **kw).chat
+    parallel = parse_responses({"input": "q", "tools": [TOOL], "parallel_tool_calls": True}, [], server.tokenizer,
+                               **kw).chat  # fmt: skip
+    single = parse_responses({"input": "q", "tools": [TOOL], "parallel_tool_calls": False}, [], server.tokenizer,
+                             **kw).chat  # fmt: skip
+    assert plain == parallel != single  # one call only: another grammar
+
+
 def test_forced_tool_choice_and_none(server, client, prompts):
     server.script(CALL)
     forced = client.responses.create(model=MODEL, input="x", tools=[TOOL], max_output_tokens=128,
