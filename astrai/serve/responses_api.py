@@ -240,13 +240,14 @@ class _Assembler:
         return [msg]
 
 
-def _echo(body: dict) -> dict:
-    """The request fields a response carries (the SDK's `Response` requires tools, tool_choice, ...)."""
+def _echo(body: dict, req: ResponsesRequest) -> dict:
+    """The request fields a response carries (the SDK's `Response` requires tools, tool_choice, ...); temperature
+    and top_p are the values used (the server's sampling defaults fill unset ones)."""
     text = body.get("text") or {}
     return {
         "instructions": body.get("instructions"), "metadata": body.get("metadata"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+        "temperature": req.chat.params.temperature, "top_p": req.chat.params.top_p,
         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
         "text": {"format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity", "medium")},
         "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"),
@@ -313,7 +314,7 @@ async def _create(state: ServerState, request: Request) -> Response:
     except APIError as err:
         raise attrs.evolve(err, param=rename_param(err.param)) from None
     head = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()), "model": state.model_name,
-            "output": [], "usage": None, "incomplete_details": None, **_echo(body)}  # fmt: skip
+            "output": [], "usage": None, "incomplete_details": None, **_echo(body, req)}  # fmt: skip
     if state.log_requests:
         common.log_request(head["id"], request.url.path, req.messages, req.chat.params)
     events = _run(state, request, body, req, head)

@@ -217,6 +217,15 @@ def check_fields(body: dict) -> None:
         elif key not in FIELDS:
             raise bad(key, f"unknown field {key!r}: this route accepts {', '.join(sorted(FIELDS))} "
                            "(docs/serving.md, 'Responses API')")  # fmt: skip
+    for key, kind in (("store", bool), ("user", str), ("previous_response_id", str), ("instructions", str)):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise bad(key, f"{key} must be a {'boolean' if kind is bool else 'string'}, got {show(body[key])}")
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in metadata.items())):  # fmt: skip
+        raise bad("metadata", "metadata must be an object of at most 16 string values (keys <= 64 characters, "
+                              "values <= 512)")  # fmt: skip
     if body.get("include"):
         raise bad("include", "include is not supported (no extra output data is offered); send [] or omit it")
     if body.get("truncation") not in (None, "disabled"):
@@ -230,8 +239,6 @@ def chat_body(body: dict, history: list[dict]) -> dict:
     `previous_response_id` chain (its inputs and outputs), put before this request's input."""
     check_fields(body)
     instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise bad("instructions", "instructions must be a string")
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat: dict[str, Any] = {"messages": system + history + input_messages(body.get("input"))}
     tools = _tools(body.get("tools"))

@@ -21,7 +21,7 @@ import pytest
 from astrai.serve.common import APIError
 from astrai.serve.openai_protocol import parse_chat
 from astrai.serve.responses_api import _framed, store_of
-from astrai.serve.responses_protocol import parse_responses
+from astrai.serve.responses_protocol import REFUSED, parse_responses
 
 KEY, MODEL = "test-key", "tiny-test"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -89,6 +89,7 @@ def test_text_whole_and_streamed_validate(server, client, prompts):
     whole = rt.Response.model_validate(post(server, body).json())
     assert whole.status == "completed" and whole.output_text == "hello world" and whole.id.startswith("resp_")
     assert whole.model == MODEL and whole.metadata == {"k": "v"} and whole.instructions == "Be brief."
+    assert whole.temperature == 1.0 and whole.top_p == 1.0  # the values used: no sampling defaults on this server
     assert (
         whole.usage.input_tokens == len(prompts[-1])
         and whole.usage.output_tokens == len(server.tokenizer.encode("hello world", add_special_tokens=False)) + 1
@@ -283,10 +284,16 @@ def test_store_bound_evicts_least_recently_used(server, client, monkeypatch):
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, 400, "tool_choice"),
     ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
     ({"previous_response_id": "resp_missing"}, 404, "previous_response_id"),
+    ({"store": "yes"}, 400, "store"),
+    ({"metadata": {"k": 1}}, 400, "metadata"),
+    ({"instructions": ["x"]}, 400, "instructions"),
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
 ])  # fmt: skip
 def test_unsupported_and_bad_fields_name_the_param(server, fields, status, param):
     error = post(server, {"input": "x", **fields}, status).json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
+    if param in REFUSED:  # refused on purpose, not merely unknown: the message says so
+        assert "is not supported by this server" in error["message"]
 
 
 def test_error_after_the_stream_began_is_an_error_event(server):
