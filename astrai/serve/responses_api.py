@@ -281,7 +281,9 @@ async def _run(state: ServerState, request: Request, body: dict, req: ResponsesR
         for event in asm.feed(d.text, bool(d.finish_reason)):
             yield event
         reason = d.finish_reason or reason
-    if reason == "abort" or handle.completion is None:
+    if handle.completion is None:
+        raise APIError(499, "the client closed the request")
+    if reason == "abort":  # only on engine shutdown: a client that disconnected reads nothing
         raise APIError(503, "the request was aborted: the server is shutting down", type="server_error")
     incomplete = reason == "length" and not req.chat.forced
     for event in asm.end(incomplete):
