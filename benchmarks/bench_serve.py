@@ -24,6 +24,13 @@ cores the client still takes CPU from the server; the figures show how much.
 Model: SmolLM2-135M-shaped with random weights and a locally trained tokenizer (a few hundred tokens, so the
 embedding is much smaller than the real model's), fp32, compiled decode.
 
+`--first-of-kind` measures instead what a server's first requests wait (issue 41 item 2, DESIGN fact F9): the
+time from process start to the point `astrai serve` prints `serving` (model built, engine started, and with
+`--warm-up`, the default, `ModelRunner.warm_up` compiling the decode batch sizes and the sampler variants), then
+for each kind of request (greedy n=1, sampled n=4, penalties, a JSON-schema grammar) the TTFT of its first
+request after that point vs its steady-state TTFT (the median of 3 more), one request at a time, through the
+engine directly. Goal: every first-of-kind TTFT <= 2x its steady state. `--no-warm-up` shows the stalls.
+
 Prints a rich table and the JSON report as the last stdout line. `--smoke` runs a tiny model, uncompiled, in seconds.
 Usage: python benchmarks/bench_serve.py [--requests 64] [--concurrency 32] [--new 64] [--rounds 2] [--threads N]
 """
@@ -51,6 +58,7 @@ if TYPE_CHECKING:  # the server side imports these lazily: the client process st
     from astrai.io.model import Model
     from astrai.serve.server import GracefulServer
 
+PROCESS_START = time.perf_counter()  # module import: before torch and the model; what `serving` is timed from
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_serve.json"
 CORPUS = ["the quick brown fox jumps over the lazy dog " * 4, "serving many streams at once " * 4,
           "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ"] * 20  # fmt: skip
@@ -266,6 +274,66 @@ def run(args: argparse.Namespace) -> dict:
                 throughput_loss=1 - http["output_tok_s"] / direct["output_tok_s"])  # fmt: skip
 
 
+def _ttft(engine: Engine, prompt: list[int], params) -> float:
+    """Seconds from submitting `prompt` to its first streamed token (the request then runs to its end)."""
+    start = time.perf_counter()
+    handle = engine.submit(prompt, params)
+    first = None
+    for _ in handle:
+        first = first or time.perf_counter() - start
+    return first if first is not None else time.perf_counter() - start
+
+
+def first_of_kind(args: argparse.Namespace) -> dict:
+    """Process start to `serving`, and each request kind's first TTFT after it vs its steady state."""
+    import torch
+    from _common import console
+    from torch._dynamo.utils import counters
+
+    from astrai.inference.engine import Engine, EngineConfig
+    from astrai.inference.params import GrammarSpec, SamplingParams
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    torch.manual_seed(0)
+    model = build_model(args.config, args.vocab)
+    built = time.perf_counter()
+    engine = Engine(model, EngineConfig(max_running=args.concurrency, compile=args.compile))
+    started = time.perf_counter()
+    done = engine.runner.warm_up() if args.warm_up else {}
+    serving = time.perf_counter()
+    engine.prepare_grammar()  # `astrai serve` builds the grammar view on a thread beside the warm-up
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    kinds = {
+        "n=1": SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        "n=4": SamplingParams(max_tokens=8, temperature=1.0, n=4, ignore_eos=True),
+        "penalties": SamplingParams(
+            max_tokens=8, temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, min_p=0.05, ignore_eos=True
+        ),  # fmt: skip
+        "grammar": SamplingParams(
+            max_tokens=16, temperature=1.0, grammar=GrammarSpec(kind="json_schema", source=json.dumps(schema))
+        ),  # fmt: skip
+    }
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    try:
+        for kind, params in kinds.items():
+            graphs = counters["stats"]["unique_graphs"]
+            prompts = torch.randint(1, model.config.vocab_size, (4, args.prompt_len), generator=gen).tolist()
+            first = _ttft(engine, prompts[0], params)
+            compiles = counters["stats"]["unique_graphs"] - graphs
+            steady = statistics.median(_ttft(engine, p, params) for p in prompts[1:])
+            rows.append(dict(kind=kind, first_ttft_s=first, steady_ttft_s=steady, ratio=first / steady,
+                             compiles_first=compiles))  # fmt: skip
+            console.print(f"[dim]{kind}: first {first:.3f} s, steady {steady:.3f} s, {compiles} graphs compiled[/]")
+    finally:
+        engine.shutdown()
+    return dict(benchmark="bench_serve.first_of_kind", config=args.config, vocab=model.config.vocab_size,
+                threads=torch.get_num_threads(), cpus=os.cpu_count(), compile=args.compile, warm_up=args.warm_up,
+                warmed=done, start_to_serving_s=serving - PROCESS_START, model_build_s=built - PROCESS_START,
+                engine_start_s=started - built, warm_up_s=serving - started, results=rows,
+                goal_met=all(row["ratio"] <= 2 for row in rows))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="smollm2-135m")
@@ -278,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating HTTP / direct runs; the best of each counts")
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, help="compiled decode (default: not in --smoke)"
+    )
+    parser.add_argument("--first-of-kind", action="store_true", help="start-to-serving time and first-request TTFTs")
+    parser.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --first-of-kind: run the engine's warm-up before `serving` (as astrai serve)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -295,6 +370,15 @@ def main(argv: list[str] | None = None) -> int:
         args.config, args.vocab, args.requests, args.concurrency, args.prompt_len, args.new = "tiny", 300, 8, 4, 8, 8
     if args.compile is None:  # compiling takes the smoke most of a minute on a cold cache
         args.compile = not args.smoke
+    if args.first_of_kind:
+        report = first_of_kind(args)
+        cols = [("kind", ""), ("first_ttft_s", ".3f"), ("steady_ttft_s", ".3f"), ("ratio", ".1f"),
+                ("compiles_first", "")]  # fmt: skip
+        title = (f"{report['config']}: process start to serving {report['start_to_serving_s']:.1f} s "
+                 f"(warm-up {report['warm_up_s']:.1f} s); first-of-kind TTFT vs steady state")  # fmt: skip
+        console.print(table(title, report["results"], cols))
+        emit(report, args.out.with_name("bench_serve_first_of_kind.json") if args.out == RESULTS else args.out)
+        return 0
     report = run(args)
     cols = [("target", ""), ("errors", ""), ("output_tok_s", ".1f"),
             ("ttft_p50", ".3f"), ("ttft_p99", ".3f"), ("itl_p50", ".4f"), ("itl_p99", ".4f"),

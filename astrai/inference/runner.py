@@ -276,9 +276,12 @@ class ModelRunner:
     def warm_up(self) -> dict[str, list]:
         """Compile now (before a server says `serving`) everything a request could otherwise compile on first use
         (DESIGN fact F9): the CPU decode step at `decode_warm_sizes` (padding rows only: they write to the null
-        page and attend to nothing) and every sampler variant (`sampler_variants`). The prefill step is warmed
-        in `__init__` when compiled; CUDA decode graphs are captured there. Returns what was run."""
+        page and attend to nothing) and every sampler variant (`sampler_variants`); an eager prefill step runs one
+        padding step too (first-call costs). A compiled prefill step is warmed in `__init__`, and CUDA decode
+        graphs are captured there. Returns what was run."""
         done: dict[str, list] = {"decode": [], "sampler": []}
+        if self.compiled_prefill is None:  # eager: nothing compiles, but the first call's one-time costs go here
+            self.warm_prefill()
         if self.compiled_decode is not None and self.graphs is None:
             for rows in self.decode_warm_sizes():
                 tokens, meta = self._host_meta([], decode=True, rows=rows, width=2)
