@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -29,6 +30,9 @@ from astrai.train.optim import AdamWConfig
 from astrai.train.step import StepOptions, TrainStep, init_train_state
 from astrai.train.tp import TPTrain, make_layout, shard_adamw, unshard_adamw
 from astrai.tree import leaves, named_tensors
+
+sys.path.insert(0, str(Path(__file__).parents[2]))  # tests/, for `helpers` when run as a rank script
+from helpers import random_biases  # noqa: E402
 
 STEPS = 3
 ROWS, SEQ = 4, 12  # global batch rows (split over micro-batches and data-parallel replicas), tokens per row
@@ -54,7 +58,15 @@ def kv1_config() -> ModelConfig:
     )  # fmt: skip
 
 
-MODELS = {"tiny": lambda: tiny(vocab_size=101), "kv1": kv1_config, "moe": moe_config}
+def with_biases(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with the bias switches on that the family allows: q/k/v, o_proj and the dense MLP's. Filled with random
+    values (`random_biases`), they make a row-parallel bias added on every rank (or its gradient summed over them)
+    fail the comparison with one process; `init_params` alone makes zero biases, which hide that bug."""
+    return attrs.evolve(cfg, attention_bias=True, attention_out_bias=True, mlp_bias=cfg.ffn_type != "moe")
+
+
+MODELS = {"tiny": lambda: with_biases(tiny(vocab_size=101)), "kv1": lambda: with_biases(kv1_config()),
+          "moe": lambda: with_biases(moe_config())}  # fmt: skip
 
 # tp: group size (dp = WORLD_SIZE / tp); clip: max_grad_norm; accum: micro-batches; smooth: label smoothing;
 # fsdp: shard each TP shard over the dp group (2-D); broken: skip `finish_grads_` (the negative control)
@@ -101,7 +113,7 @@ def micro_batches(batch: LMBatch, accum: int, rank: int, world: int) -> list[LMB
 def setup(variant: dict[str, Any], layout: Any = None) -> tuple[TrainStep, Any]:
     """(step, state) of a variant: the whole model (`layout` None) or this rank's shard (`astrai.train.tp.Layout`)."""
     cfg = MODELS[variant["model"]]()
-    trainable = init_params(cfg, seed=1)
+    trainable = random_biases(init_params(cfg, seed=1), seed=2, std=0.05)
     tp, sharded = None, False
     if layout is not None:
         trainable = shard_params(trainable, cfg, layout.tp)
