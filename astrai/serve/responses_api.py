@@ -191,13 +191,14 @@ class _Assembler:
                               **({"logprobs": []} if kind == "message" else {})))  # fmt: skip
         return out
 
-    def feed(self, text: str, final: bool) -> list[dict]:
-        """Events for `text` appended to the output (`final`: the output ended)."""
+    def feed(self, text: str, final: bool, cut: bool = False) -> list[dict]:
+        """Events for `text` appended to the output (`final`: the output ended; `cut`: by the token budget, so a
+        call it cut short is dropped, never given back as text)."""
         reasoning = ""
         if self.thinker is not None:
             reasoning, text = sort_events(self.thinker.feed(text) + (self.thinker.finish() if final else []))
         out = self._text("reasoning", reasoning) if reasoning else []
-        events = (self.parser.feed(text) + (self.parser.finish() if final else [])) if self.parse else (
+        events = (self.parser.feed(text) + (self.parser.finish(cut) if final else [])) if self.parse else (
             [TextDelta(text)] if text else [])  # fmt: skip
         for e in events:
             if isinstance(e, TextDelta) and e.text:
@@ -278,7 +279,7 @@ async def _run(state: ServerState, request: Request, body: dict, req: ResponsesR
     yield asm.event("response.in_progress", response={**head, "status": "in_progress"})
     reason = None
     async for d in engine_deltas(state, request, handle, len(req.chat.prompt)):
-        for event in asm.feed(d.text, bool(d.finish_reason)):
+        for event in asm.feed(d.text, bool(d.finish_reason), cut=d.finish_reason == "length"):
             yield event
         reason = d.finish_reason or reason
     if handle.completion is None:

@@ -208,6 +208,20 @@ def test_incomplete_at_max_output_tokens(server):
     assert stream[-1].type == "response.incomplete" and stream[-1].response.status == "incomplete"
 
 
+def test_a_call_cut_by_max_output_tokens_leaves_no_markup(server):
+    # tool_choice auto: a complete call, then a second one the budget cuts; the cut call is dropped, never text
+    said = CALL + "\n" + CALL.replace("Paris", "Rome")
+    server.script(said)
+    budget = len(server.tokenizer.encode(CALL + "\n" + CALL[:30], add_special_tokens=False))
+    body = {"input": "weather?", "tools": [TOOL], "max_output_tokens": budget}
+    for reply in (rt.Response.model_validate(post(server, body).json()),
+                  events(server, body)[-1].response):  # fmt: skip
+        assert reply.status == "incomplete"
+        assert [item.type for item in reply.output] == ["function_call"]
+        assert json.loads(reply.output[0].arguments) == {"city": "Paris"}
+        assert "<tool_call>" not in json.dumps(reply.model_dump())
+
+
 def test_reasoning_item_and_effort(server, monkeypatch):
     monkeypatch.setattr(server.app.state, "reasoning_parser", "qwen3")
     server.script(THOUGHT)
