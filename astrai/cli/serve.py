@@ -191,9 +191,10 @@ def _warm_up(engine: Engine) -> None:
     start = time.perf_counter()
     with console.status("compiling the decode step's batch sizes and the sampler's variants"):
         done = warm_up()
+    steps, sampler = done["seconds"]
     console.print(f"compiled before serving ({time.perf_counter() - start:.1f} s): decode batch sizes "
-                  f"{done['decode'] or 'none (CUDA graphs or eager)'}, sampler variants {done['sampler']}",
-                  highlight=False)  # fmt: skip
+                  f"{done['decode'] or 'none (CUDA graphs or eager)'} ({steps:.1f} s), sampler variants "
+                  f"{done['sampler']} ({sampler:.1f} s)", highlight=False)  # fmt: skip
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -278,8 +279,9 @@ class ModelRunner:
         (DESIGN fact F9): the CPU decode step at `decode_warm_sizes` (padding rows only: they write to the null
         page and attend to nothing) and every sampler variant (`sampler_variants`); an eager prefill step runs one
         padding step too (first-call costs). A compiled prefill step is warmed in `__init__`, and CUDA decode
-        graphs are captured there. Returns what was run."""
-        done: dict[str, list] = {"decode": [], "sampler": []}
+        graphs are captured there. Returns what was run, and `seconds`: [the steps', the sampler's]."""
+        done: dict[str, list] = {"decode": [], "sampler": [], "seconds": []}
+        start = time.perf_counter()
         if self.compiled_prefill is None:  # eager: nothing compiles, but the first call's one-time costs go here
             self.warm_prefill()
         if self.compiled_decode is not None and self.graphs is None:
@@ -287,8 +289,10 @@ class ModelRunner:
                 tokens, meta = self._host_meta([], decode=True, rows=rows, width=2)
                 self.run(StepInputs("decode", tokens, meta, rows))
                 done["decode"].append(rows)
+        middle = time.perf_counter()
         if self._sampler.compiled:
             done["sampler"] = self._sampler.warm(self.cfg.vocab_size, self.device)
+        done["seconds"] = [round(middle - start, 2), round(time.perf_counter() - middle, 2)]  # [steps, sampler]
         return done
 
     # ---- metadata ---------------------------------------------------------------------------------------

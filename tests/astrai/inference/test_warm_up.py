@@ -113,6 +113,6 @@ def test_no_request_compiles_after_warm_up(model):
     assert moved["second"] > 0 and moved["n=2"] > 0 and moved["penalties"] > 0, moved
     with Engine(model, cfg) as engine:
         done = engine.runner.warm_up()
-        assert done == {"decode": [1, 2], "sampler": list(VARIANTS)}
+        assert (done["decode"], done["sampler"]) == ([1, 2], list(VARIANTS))
         compiled = _graphs_compiled_by(engine)
     assert compiled == dict.fromkeys(KINDS, 0), compiled
