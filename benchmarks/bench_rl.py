@@ -17,7 +17,8 @@ is measured); the per-step split `rollout_s` (generation), `reference_s` (refere
 `train_s` (forward + backward + optimizer) read from the run's metrics, averaged over the steps after the first.
 
 Presets: `cpu` (the scaled-down Qwen3 of bench_throughput, ~54M params): the compiled engine (decode step and
-sampler, as a GRPO run with `TrainConfig.compile` gets them) against transformers eager; `smoke` (tiny; seconds),
+sampler, as a GRPO run with `TrainConfig.compile` gets them) against transformers eager and static-cache + compile
+(the stronger on 2026-12-05: astrai 1.03x it, 1.7x eager); `smoke` (tiny; seconds),
 eager. `--compile` also compiles the GRPO train step of the step-split section (minutes of inductor on 2 cores);
 `--grpo-compile/--no-grpo-compile` sets that section alone.
 Prints rich tables and the JSON report as the last stdout line (also written to --out).
@@ -44,7 +45,7 @@ from astrai.inference.params import SamplingParams
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu_bench_rl.json"
 PRESETS = {
     "cpu": dict(config="qwen3-cpu", prompts=4, group=8, prompt_len=32, completion=64, repeats=3, compile=True,
-                steps=3, baseline="eager"),
+                steps=3, baseline=["eager", "static-compile"]),
     "smoke": dict(config="tiny", prompts=2, group=4, prompt_len=8, completion=8, repeats=1, compile=False, steps=2,
                   baseline="eager"),
 }  # fmt: skip
