@@ -138,3 +138,16 @@ def close_litellm_loop():
         assert not loop.is_running()
         loop.close()
         asyncio.set_event_loop(None)
+
+
+@pytest.fixture
+def prompts(server, monkeypatch):
+    """Records the token ids of every prompt the server submits to the engine."""
+    seen, submit = [], server.engine.submit
+
+    def recording(prompt, params=None, **kw):
+        seen.append(list(prompt))
+        return submit(prompt, params, **kw)
+
+    monkeypatch.setattr(server.engine, "submit", recording)
+    return seen

@@ -28,19 +28,6 @@ def client(server):
         yield c
 
 
-@pytest.fixture
-def prompts(server, monkeypatch):
-    """Records the token ids of every prompt the server submits to the engine."""
-    seen, submit = [], server.engine.submit
-
-    def recording(prompt, params=None, **kw):
-        seen.append(list(prompt))
-        return submit(prompt, params, **kw)
-
-    monkeypatch.setattr(server.engine, "submit", recording)
-    return seen
-
-
 def n_tokens(server, text: str) -> int:
     return len(server.tokenizer.encode(text, add_special_tokens=False))
 

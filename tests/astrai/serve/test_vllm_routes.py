@@ -59,10 +59,8 @@ def test_tokenize_a_prompt_as_transformers_does(server, hf_tokenizer):
     assert bare["tokens"] == hf_tokenizer(TEXT, add_special_tokens=False)["input_ids"] and bare["token_strs"] is None
 
 
-def test_tokenize_messages_counts_what_the_chat_route_submits(server, oai, monkeypatch):
-    seen, submit = [], server.engine.submit
-    monkeypatch.setattr(server.engine, "submit", lambda ids, params=None, **kw: seen.append(list(ids))
-                        or submit(ids, params, **kw))  # fmt: skip
+def test_tokenize_messages_counts_what_the_chat_route_submits(server, oai, prompts):
+    seen = prompts
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
     oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
     reply = post(server, "/tokenize", {"messages": messages}).json()
