@@ -131,6 +131,12 @@ def served_name(model: str) -> str:
     return path.resolve().name if path.is_dir() else model
 
 
+def served_names(model: str, given: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The names a request's `model` may use, the reported one first: `given` (`--served-model-name`), else the
+    `served_name` of `model` and `model` as typed (a client configured with the path a user started it with)."""
+    return given or tuple(dict.fromkeys((served_name(model), model)))
+
+
 def load_model(args: ModelArgs) -> Model:
     """`astrai.load` of `args.model` (folder or HF id) with a friendly error; says which device it chose (`auto`:
     CUDA if present); `--chat-template` replaces the tokenizer's template."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import attrs
 import tyro
 
-from astrai.cli._common import ModelArgs, console, err_console, fail, load_model, parse, run_guarded, served_name
+from astrai.cli._common import ModelArgs, console, err_console, fail, load_model, parse, run_guarded, served_names
 
 if TYPE_CHECKING:
     from astrai.inference.engine import Engine, EngineConfig
@@ -46,8 +46,9 @@ class ServeConfig(ModelArgs):
     Default: the ASTRAI_API_KEY environment variable (which, unlike a flag, `ps` does not show); unset: no key."""
     metrics_public: bool = False
     """Serve GET /metrics without the API key (a scraper can also send it: `authorization` in its config)."""
-    served_model_name: str | None = None
-    """Model id reported by /v1/models and in responses (default: the folder name, or the model id)."""
+    served_model_name: tuple[str, ...] = ()
+    """Model id(s) a request's `model` may name (vLLM's flag; any other is a 404 model_not_found). The first is
+    reported by /v1/models and in responses. Default: the folder name (or the model id), and --model as typed."""
     max_num_seqs: Annotated[int, tyro.conf.arg(aliases=("--max-running",))] = 64
     """Most sequences decoding at once."""
     max_num_batched_tokens: Annotated[int, tyro.conf.arg(aliases=("--max-step-tokens",))] = 2048
@@ -120,6 +121,11 @@ class ServeConfig(ModelArgs):
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     """Split <think>...</think> off the answer: OpenAI `reasoning_content` (streamed as deltas), Anthropic `thinking`
     blocks (vLLM's names). Default: none, the text stays as the model wrote it."""
+    responses_store_max_entries: int = 1024
+    """Most responses /v1/responses keeps (store=true) for GET and previous_response_id; least recently used out
+    first (0: keep none)."""
+    responses_store_max_bytes: int = 64 << 20
+    """Most bytes (JSON size, responses and their conversations) the /v1/responses store keeps."""
     embeddings: bool = False
     """Also serve POST /v1/embeddings: the model's blocks run bidirectionally, pooled per input."""
     embed_pooling: Literal["mean", "cls", "last"] = "mean"
@@ -268,7 +274,8 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                   f"up to {engine_cfg.max_running} sequences", highlight=False)  # fmt: skip
     if defaults:
         console.print(f"sampling defaults ({cfg.generation_config}): {defaults}", highlight=False)
-    name = cfg.served_model_name or served_name(cfg.model)
+    names = served_names(cfg.model, cfg.served_model_name)
+    name = names[0]
     embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
     api_key = cfg.api_key or os.environ.get("ASTRAI_API_KEY") or None
     app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=cfg.max_body_bytes,
@@ -277,7 +284,9 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                     tokenizer_workers=cfg.tokenizer_workers,
                     allow_special_tokens_in_content=cfg.allow_special_tokens_in_content,
                     log_requests=cfg.enable_log_requests, sampling_defaults=defaults,
-                    tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser)  # fmt: skip
+                    tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
+                    model_aliases=names[1:], responses_max_stored=cfg.responses_store_max_entries,
+                    responses_max_stored_bytes=cfg.responses_store_max_bytes)  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

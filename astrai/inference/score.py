@@ -30,11 +30,14 @@ class PromptLogprobs:
         logprobs: None for the first token, then log p(token_t | tokens_<t) as floats.
         top_logprobs: None for the first token, then the `top` most likely `(id, logprob)` at each position,
             best first (empty tuples when `top` is 0).
+        ranks: None for the first token, then token_t's rank in the vocabulary at its position (1: the most
+            likely; tokens of equal log-prob share the better rank), as vLLM's `Logprob.rank`.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...]
+    ranks: tuple[int | None, ...] = ()
 
 
 @torch.inference_mode()
@@ -67,20 +70,23 @@ def prompt_logprobs(model: Model, prompts: Sequence[Sequence[int]], *, top: int 
         tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
         h = hidden_states(params, cfg, tokens)[0, :-1]  # position t predicts token t + 1
         targets = tokens[0, 1:]
-        lps, tops = [], []
+        lps, ranks, tops = [], [], []
         for start in range(0, h.shape[0], chunk_size):
             x = rms_norm(params.norm, h[start : start + chunk_size], eps=cfg.rms_norm_eps)
             logp = torch.log_softmax(head_logits(params, x), dim=-1)
-            lps.append(logp.gather(1, targets[start : start + chunk_size, None])[:, 0].cpu())
+            picked = logp.gather(1, targets[start : start + chunk_size, None])
+            lps.append(picked[:, 0].cpu())
+            ranks.append((logp > picked).sum(dim=-1).add_(1).cpu())
             if top:
                 values, indices = logp.topk(top, dim=-1)
                 tops.append((indices.cpu(), values.cpu()))
         chosen = torch.cat(lps).tolist() if lps else []
+        rank = torch.cat(ranks).tolist() if ranks else []
         alternatives: list = []
         for indices, values in tops:
             alternatives += [tuple(zip(r, v, strict=True)) for r, v in zip(indices.tolist(), values.tolist(),
                                                                             strict=True)]  # fmt: skip
         if not top:
             alternatives = [()] * len(chosen)
-        out.append(PromptLogprobs(tuple(ids), (None, *chosen), (None, *alternatives)))
+        out.append(PromptLogprobs(tuple(ids), (None, *chosen), (None, *alternatives), (None, *rank)))
     return out

@@ -227,8 +227,13 @@ def routes(state: ServerState) -> list[Route]:
         return await state.offload(render_prompt, state.tokenizer, req,
                                    allow_special_tokens=state.allow_special_tokens_in_content)  # fmt: skip
 
+    async def checked_body(request: Request) -> dict:
+        body = await json_body(request)
+        state.check_model(body)
+        return body
+
     async def messages(request: Request) -> Response:
-        req = parse_request(await json_body(request))
+        req = parse_request(await checked_body(request))
         if req.thinking and state.reasoning_parser is None:
             raise APIError(400, "thinking: this server splits no reasoning off the output; start it with "
                                 "--reasoning-parser (qwen3 or deepseek_r1) to return thinking blocks")  # fmt: skip
@@ -262,7 +267,7 @@ def routes(state: ServerState) -> list[Route]:
                              "stop_sequence": gen.matched, "usage": usage})  # fmt: skip
 
     async def count_tokens(request: Request) -> Response:
-        req = parse_request(await json_body(request), count_only=True)
+        req = parse_request(await checked_body(request), count_only=True)
         return JSONResponse({"input_tokens": len(await prompt_ids(req))})
 
     return [Route("/v1/messages", route(anthropic_error, messages), methods=["POST"]),

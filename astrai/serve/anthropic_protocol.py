@@ -273,7 +273,7 @@ def parse_request(body: dict[str, Any], *, count_only: bool = False) -> Messages
     if unknown:
         raise _bad(unknown[0], f"Extra inputs are not permitted (this server accepts {', '.join(sorted(_FIELDS))}; "
                                "docs/serving.md says what each does)")  # fmt: skip
-    _req(body, "model", "string")  # any name: the reply names the served model
+    _req(body, "model", "string")  # the route checked it names a served model (`ServerState.check_model`)
     max_tokens = 1 if count_only else _req(body, "max_tokens", "integer")
     if max_tokens < 1:
         raise _bad("max_tokens", f"Input should be greater than or equal to 1, got {max_tokens}")

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -234,7 +234,9 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
               allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False, tokenizer_workers: int = 4,
               allow_special_tokens_in_content: bool = False, sampling_defaults: Mapping[str, Any] | None = None,
               log_requests: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> ASGIApp:  # fmt: skip
+              reasoning_parser: str | None = None, model_aliases: Sequence[str] = (),
+              responses_max_stored: int = responses_api.DEFAULT_MAX_STORED,
+              responses_max_stored_bytes: int = responses_api.DEFAULT_MAX_STORED_BYTES) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
@@ -250,12 +252,15 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
     (`tool_parsers.PARSERS`: hermes, mistral, llama3_json, qwen3_coder, deepseek_v3; None: detected from the chat
     template). `reasoning_parser` (`reasoning.PARSERS`: qwen3, deepseek_r1) splits `<think>` reasoning off the
     answer (OpenAI `reasoning_content`, Anthropic `thinking` blocks); None: the text stays as generated.
+    A request's `model` must be `model_name` or one of `model_aliases` (or absent): any other is a 404
+    `model_not_found`. `responses_max_stored` / `responses_max_stored_bytes` bound the `/v1/responses` store.
 
     Raises:
         ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type;
             `tool_call_parser` or `reasoning_parser` is not a parser's name.
     """
-    state = ServerState(engine=engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+    state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(model_aliases), api_key=api_key,
+                        max_body_bytes=max_body_bytes,
                         embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,
                         allow_special_tokens_in_content=allow_special_tokens_in_content,
                         sampling_defaults=sampling_defaults or {}, log_requests=log_requests,
@@ -268,7 +273,7 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
 
     routes = _basic_routes(state) + openai_api.routes(state) + embeddings_api.routes(state)
     routes += anthropic_api.routes(state)
-    routes += responses_api.routes(state)
+    routes += responses_api.routes(state, max_stored=responses_max_stored, max_stored_bytes=responses_max_stored_bytes)
     state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
     state.metrics.model_name = model_name  # the vllm: families' model_name label
     app = Starlette(routes=routes, lifespan=lifespan)

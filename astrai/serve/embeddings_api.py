@@ -117,7 +117,9 @@ def routes(state: ServerState) -> list[Route]:
         if state.embeddings is None:
             raise APIError(404, "embeddings are not enabled on this server: start it with `astrai serve "
                            "--embeddings`", type="not_found_error")  # fmt: skip
-        req = await state.offload(parse_embeddings, state, await common.json_body(request))  # tokenizes
+        body = await common.json_body(request)
+        state.check_model(body)
+        req = await state.offload(parse_embeddings, state, body)  # tokenizes
         vectors = await asyncio.to_thread(run, req.inputs)
         tokens = sum(len(row) for row in req.inputs)
         state.metrics.embedding_tokens += tokens

@@ -197,11 +197,13 @@ def _openai_call(call: ToolCall) -> dict:
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
+    state.check_model(body)
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
                                defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
     await compile_grammar(state, chat.params)
     head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.model_name}
+    scored = None if chat.prompt_logprobs is None else (await _score(state, [chat.prompt], chat.prompt_logprobs))[0]
     if state.log_requests:
         common.log_request(head["id"], request.url.path, body.get("messages"), chat.params)
     handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
@@ -229,7 +231,10 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         reason = _finish(out.finish_reason, bool(calls), chat.forced)
         choices.append({"index": out.index, "message": message, "logprobs": lp, "finish_reason": reason,
                         **_stop_reason(out.stop_reason)})  # fmt: skip
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(completion)})
+    reply = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(completion)}
+    if scored is not None:
+        reply["prompt_logprobs"] = _vllm_prompt_logprobs(texts, scored, chat.prompt_logprobs)
+    return JSONResponse(reply)
 
 
 # ---- legacy completions -------------------------------------------------------------------------------------
@@ -241,19 +246,34 @@ def _legacy_logprobs(texts: TokenBytes, ids: Any, lps: Any, tops: Any, offset: i
             "text_offset": offsets}  # fmt: skip
 
 
-def _prompt_part(texts: TokenBytes, scores: PromptLogprobs) -> dict:
-    """The echoed prompt's entries of the legacy logprobs: null first, and, as vLLM does, each position's top
+def _prompt_part(texts: TokenBytes, scores: PromptLogprobs, top: int) -> dict:
+    """The echoed prompt's entries of the legacy logprobs: null first, and, as vLLM does, each position's `top`
     alternatives together with the prompt's own token (so lm-eval can tell whether the prompt was greedy)."""
     tokens = [texts.text(t) for t in scores.token_ids]
     tops: list[dict | None] = [None]
     for token, logprob, alts in zip(scores.token_ids[1:], scores.logprobs[1:], scores.top_logprobs[1:], strict=True):
-        tops.append({texts.text(a): max(b, -9999.0) for a, b in ((token, logprob), *alts)})
+        tops.append({texts.text(a): max(b, -9999.0) for a, b in ((token, logprob), *alts[:top])})
     return {
         "tokens": tokens,
         "token_logprobs": [None if x is None else max(x, -9999.0) for x in scores.logprobs],
         "top_logprobs": tops,
         "text_offset": [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))],
     }
+
+
+def _vllm_prompt_logprobs(texts: TokenBytes, scores: PromptLogprobs, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` (chat: beside `choices`; completions: in each choice): null for the first token,
+    then per position {token id: {logprob, rank, decoded_token}} of the prompt's own token and the `top` most
+    likely ones (rank 1 = the most likely; the prompt's token holds its vocabulary rank)."""
+    out: list[dict | None] = [None]
+    for token, logprob, rank, alts in zip(scores.token_ids[1:], scores.logprobs[1:], scores.ranks[1:],
+                                          scores.top_logprobs[1:], strict=True):  # fmt: skip
+        entry = {str(token): {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": texts.text(token)}}
+        for place, (alt, alt_logprob) in enumerate(alts[:top], 1):
+            entry.setdefault(str(alt), {"logprob": max(alt_logprob, -9999.0), "rank": place,
+                                        "decoded_token": texts.text(alt)})  # fmt: skip
+        out.append(entry)
+    return out
 
 
 def _with_prompt(prompt: dict | None, generated: dict | None, echo: str) -> dict | None:
@@ -276,12 +296,27 @@ def _summed_usage(completions: list[Completion], prompt_tokens: int = 0) -> dict
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in completions)}}  # fmt: skip
 
 
+async def _score(state: ServerState, prompts: list[list[int]], top: int) -> list[PromptLogprobs]:
+    """Each prompt's token logprobs with `top` alternatives: a causal forward per prompt on the worker pool,
+    chunked over the vocabulary (`astrai.inference.score`)."""
+    return await state.offload(prompt_logprobs, state.engine.model, prompts, top=top)
+
+
 async def _score_prompts(state: ServerState, req: CompletionRequest) -> list[PromptLogprobs] | None:
-    """Each prompt's token logprobs when the request echoes them with logprobs (a causal forward per prompt on
-    the worker pool, chunked over the vocabulary: `astrai.inference.score`); None otherwise."""
-    if not req.prompt_logprobs:
+    """Each prompt's scores when the request echoes them with logprobs or asks for vLLM's `prompt_logprobs`
+    (with the larger of the two counts of alternatives); None otherwise."""
+    if not req.prompt_logprobs and req.prompt_top is None:
         return None
-    return await state.offload(prompt_logprobs, state.engine.model, [p.ids for p in req.prompts], top=req.logprobs)
+    top = max(req.logprobs or 0 if req.prompt_logprobs else 0, req.prompt_top or 0)
+    return await _score(state, [p.ids for p in req.prompts], top)
+
+
+def _vllm_prompt_part(texts: TokenBytes, scores: list[PromptLogprobs] | None, k: int, req: CompletionRequest
+                      ) -> dict:  # fmt: skip
+    """A completions choice's `prompt_logprobs` entry (prompt `k`'s), when the request asked for it."""
+    if scores is None or req.prompt_top is None:
+        return {}
+    return {"prompt_logprobs": _vllm_prompt_logprobs(texts, scores[k], req.prompt_top)}
 
 
 def _echo_only(state: ServerState, req: CompletionRequest, scores: list[PromptLogprobs] | None) -> list[dict]:
@@ -289,9 +324,10 @@ def _echo_only(state: ServerState, req: CompletionRequest, scores: list[PromptLo
     texts = TokenBytes(state.tokenizer, as_ids=req.tokens_as_ids)
     choices = []
     for k, prompt in enumerate(req.prompts):
-        lp = _prompt_part(texts, scores[k]) if scores else None
+        lp = _prompt_part(texts, scores[k], req.logprobs) if scores and req.prompt_logprobs else None
+        extra = _vllm_prompt_part(texts, scores, k, req)
         choices += [{"index": k * req.n + j, "text": prompt.echo, "logprobs": lp, "finish_reason": "length",
-                     "stop_reason": None} for j in range(req.n)]  # fmt: skip
+                     "stop_reason": None, **extra} for j in range(req.n)]  # fmt: skip
     return choices
 
 
@@ -309,6 +345,7 @@ async def _completion_deltas(state: ServerState, request: Request, handles: list
 
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
+    state.check_model(body)
     req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size,
                               context=state.context, defaults=state.sampling_defaults,
                               max_sequences=state.max_waiting)  # fmt: skip
@@ -339,10 +376,12 @@ async def _completions(state: ServerState, request: Request) -> Response:
             lp = None
             if req.logprobs is not None:
                 lp = _legacy_logprobs(texts, o.token_ids, o.logprobs, o.top_logprobs, len(prompt.echo))
-                lp = _with_prompt(_prompt_part(texts, scores[k]) if scores else None, lp, prompt.echo)
+                echoed = _prompt_part(texts, scores[k], req.logprobs) if scores and req.prompt_logprobs else None
+                lp = _with_prompt(echoed, lp, prompt.echo)
             reason = _finish(o.finish_reason, False)
             choices.append({"index": k * req.n + o.index, "text": prompt.echo + o.text, "logprobs": lp,
-                            "finish_reason": reason, **_stop_reason(o.stop_reason)})  # fmt: skip
+                            "finish_reason": reason, **_stop_reason(o.stop_reason),
+                            **_vllm_prompt_part(texts, scores, k, req)})  # fmt: skip
     usage = _summed_usage([h.completion for h in handles])
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
@@ -372,7 +411,7 @@ async def _completion_stream(state: ServerState, request: Request, handles: list
             if d.logprobs is not None and d.token_ids:
                 lp = _legacy_logprobs(texts, d.token_ids, d.logprobs, d.top_logprobs, offset)
             if first and scores:  # the echoed prompt's logprobs go with its text, in the choice's first chunk
-                prompt_part = _prompt_part(texts, scores[k])
+                prompt_part = _prompt_part(texts, scores[k], req.logprobs)
                 lp = _with_prompt(prompt_part, lp, req.prompts[k].echo)
                 offset = sum(len(t) for t in prompt_part["tokens"])  # later offsets count from the prompt's tokens
             offsets[index] = offset + len(d.text)

@@ -47,7 +47,7 @@ Chat completions accept:
   (tool_choice "required" or named, itself a grammar) it is a 400: two constraints on one output.
 - rejected with a 400: `functions` / `function_call` (the deprecated API: use tools), `audio` / non-text
   `modalities`, `chat_template` (per-request templates: start the server with --chat-template), and vLLM fields
-  without an implementation (`sampling_fields.UNSUPPORTED`: structural tags, beam search, prompt logprobs, ...).
+  without an implementation (`sampling_fields.UNSUPPORTED`: structural tags, beam search, bad words, ...).
 
 Special-token text in chat messages (a user writing `<|im_end|>`) is encoded as plain text, so only the chat
 template makes control tokens (`astrai serve --allow-special-tokens-in-content` turns that off). A completions
@@ -88,6 +88,7 @@ from astrai.serve.sampling_fields import (
     integer,
     is_token_id,
     max_tokens,
+    prompt_logprobs_top,
     sampling_params,
     show,
 )
@@ -246,6 +247,7 @@ class ChatRequest:
     echo: str = ""  # text put before each choice's content (`echo` with a final assistant message)
     tool_schemas: dict[str, Any] = attrs.Factory(dict)  # name -> parameters of the rendered tools
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens are "token_id:N"
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: score the prompt with this many alternatives
 
 
 def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, context: int,
@@ -303,7 +305,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
         params = _constrain_calls(params, rendered, None, body, tokenizer, tool_parser)
     return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body), parse, tool_names(rendered),
                        forced is not None, echo, tool_schemas(rendered),
-                       tokens_as_ids=flag(body, "return_tokens_as_token_ids"))  # fmt: skip
+                       tokens_as_ids=flag(body, "return_tokens_as_token_ids"),
+                       prompt_logprobs=prompt_logprobs_top(body, MAX_TOP_LOGPROBS))  # fmt: skip
 
 
 def _constrain_calls(params: SamplingParams, tools: list[dict], forced: str | None, body: dict, tokenizer: Tokenizer,
@@ -369,6 +372,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     prompt_logprobs: bool = False  # echo with logprobs: score the prompt tokens too
+    prompt_top: int | None = None  # vLLM's prompt_logprobs: score each prompt with this many alternatives
     generate: bool = True  # False: max_tokens 0 with echo, the prompts are only echoed (and scored)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens are "token_id:N"
 
@@ -432,4 +436,5 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int
         out.append(CompletionPrompt(ids, own, shown))
     return CompletionRequest(tuple(out), n, k, flag(body, "stream"), include_usage(body),
                              prompt_logprobs=echo and k is not None, generate=generate,
-                             tokens_as_ids=flag(body, "return_tokens_as_token_ids"))  # fmt: skip
+                             tokens_as_ids=flag(body, "return_tokens_as_token_ids"),
+                             prompt_top=prompt_logprobs_top(body, MAX_TOP_LOGPROBS))  # fmt: skip

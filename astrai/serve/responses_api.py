@@ -301,6 +301,7 @@ async def _run(state: ServerState, request: Request, body: dict, req: ResponsesR
 
 async def _create(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
+    state.check_model(body)
     history: list[dict] = []
     previous = body.get("previous_response_id")
     if previous is not None:

@@ -49,13 +49,12 @@ SAMPLING_FIELDS = frozenset({
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
     "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "priority", "return_tokens_as_token_ids",
+    "structured_outputs", "priority", "return_tokens_as_token_ids", "prompt_logprobs",
 })  # fmt: skip
 
 # known fields this server does not implement: a 400 with the reason unless null / false
 UNSUPPORTED = {"use_beam_search": "no beam search", "structural_tag": "no structural tags (response_format and "
                "guided_json / guided_regex / guided_choice / guided_grammar are supported)",
-               "prompt_logprobs": "prompt logprobs are not computed",
                "allowed_token_ids": "no allowed-token lists", "bad_words": "no bad-word lists",
                "truncate_prompt_tokens": "prompts are never truncated", "logits_processors": "no custom logits "
                "processors"}  # fmt: skip
@@ -111,6 +110,16 @@ def flag(body: dict, key: str, default: bool = False) -> bool:
     if not isinstance(value, bool):
         raise bad(key, f"{key} must be a boolean, got {show(value)}")
     return value
+
+
+def prompt_logprobs_top(body: dict, most: int) -> int | None:
+    """vLLM's `prompt_logprobs`: alternatives per prompt token (0: the prompt token's own log-prob only), or None.
+
+    Refused beside `stream` (as vLLM's chat route does): the scores come whole, before the first token."""
+    top = integer(body, "prompt_logprobs", None, 0, most)
+    if top is not None and flag(body, "stream"):
+        raise bad("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+    return top
 
 
 def is_token_id(value: Any) -> bool:

@@ -18,6 +18,7 @@ import attrs
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
+from astrai.serve.common import APIError
 from astrai.serve.metrics import Metrics
 from astrai.serve.reasoning import check_parser
 from astrai.serve.sampling_fields import check_defaults
@@ -30,6 +31,8 @@ class ServerState:
 
     engine: Engine
     model_name: str
+    # other names a request's `model` may give (vLLM's extra --served-model-name values, the --model path as typed)
+    model_aliases: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     metrics: Metrics = attrs.Factory(Metrics)
     created: int = attrs.Factory(lambda: int(time.time()))
     api_key: str | None = None
@@ -62,6 +65,18 @@ class ServerState:
         streaming other replies meanwhile; `fn` should release the GIL where it can (`Tokenizer.encode_nogil`).
         """
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._tokenizing)
+
+    def check_model(self, body: Mapping[str, Any]) -> None:
+        """APIError 404 `model_not_found` when the request's `model` names a model this server does not serve.
+
+        A missing or empty `model` means the served one (as vLLM takes it); a non-string is left to the field
+        checks of the route, which name it.
+        """
+        name = body.get("model")
+        if isinstance(name, str) and name and name != self.model_name and name not in self.model_aliases:
+            # OpenAI's wording and code (the SDKs raise NotFoundError on the 404)
+            raise APIError(404, f"The model `{name[:200]}` does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")  # fmt: skip
 
     @property
     def tokenizer(self):

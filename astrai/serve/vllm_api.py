@@ -90,11 +90,16 @@ def routes(state: ServerState, health: Any) -> list[Route]:
         text = detokenize(body, state.tokenizer, vocab_size=state.vocab_size)
         return json.dumps({"prompt": text}, ensure_ascii=False).encode()
 
+    async def checked_body(request: Request) -> dict:
+        body = await json_body(request)
+        state.check_model(body)
+        return body
+
     async def tokenize_route(request: Request) -> Response:
-        return Response(await state.offload(tokenize_reply, await json_body(request)), media_type=JSON)
+        return Response(await state.offload(tokenize_reply, await checked_body(request)), media_type=JSON)
 
     async def detokenize_route(request: Request) -> Response:
-        return Response(await state.offload(detokenize_reply, await json_body(request)), media_type=JSON)
+        return Response(await state.offload(detokenize_reply, await checked_body(request)), media_type=JSON)
 
     async def version_route(request: Request) -> Response:
         return JSONResponse({"version": version()})

@@ -151,8 +151,8 @@ def test_serve_command_end_to_end(model_dir, tmp_path):
     --enable-log-requests (shown at the default --log-level info), SIGTERM."""
     template = tmp_path / "t.jinja"
     template.write_text(CUSTOM_TEMPLATE)
-    flags = ["--served-model-name", "cli-model", "--allowed-origins", "http://ok.example", "--chat-template",
-             str(template), "--enable-log-requests"]  # fmt: skip
+    flags = ["--served-model-name", "cli-model", "cli-alias", "--allowed-origins", "http://ok.example",
+             "--chat-template", str(template), "--enable-log-requests"]  # fmt: skip
     with _ServeProcess(model_dir, *flags, env={**os.environ, "ASTRAI_API_KEY": "from-env"}) as server:
         url, auth = f"{server.base_url}/v1/models", {"Authorization": "Bearer from-env"}
         assert httpx.get(url).status_code == 401  # the key is required although no flag named it
@@ -184,6 +184,12 @@ def test_serve_command_end_to_end(model_dir, tmp_path):
         expected = len(tok.with_chat_template(CUSTOM_TEMPLATE).encode_chat(messages))
         assert expected != len(tok.encode_chat(messages))  # the two templates tokenize differently
         assert reply.json()["usage"]["prompt_tokens"] == expected
+        # every --served-model-name is accepted, the first is reported; any other name is a 404
+        for name, status in (("cli-alias", 200), ("other-model", 404)):
+            reply = httpx.post(f"{server.base_url}/v1/completions", headers=auth,
+                               json={"model": name, "prompt": "hi", "max_tokens": 1})  # fmt: skip
+            assert reply.status_code == status, reply.text
+        assert reply.json()["error"]["code"] == "model_not_found"
     assert "from-env" not in server.out  # never logged
     assert "prompt=" in server.out and "hello" in server.out, server.out  # --enable-log-requests, shown at info
     assert "grammar engine ready" in server.out  # the grammar view is built at start, not by the first request

@@ -75,9 +75,9 @@ def sse_events(body):
 
 def test_text_reply_ids_usage_and_prompt(server, client, submitted):
     server.script("hello world")
-    reply = client.messages.create(model="any-name", max_tokens=32, messages=user("hi there"))
+    reply = client.messages.create(model="tiny-test", max_tokens=32, messages=user("hi there"))
     assert re.fullmatch(r"msg_[0-9a-f]{24}", reply.id) and reply.type == "message" and reply.role == "assistant"
-    assert reply.model == "tiny-test"  # the served name, whatever the request said
+    assert reply.model == "tiny-test"  # the served name
     assert [(b.type, b.text) for b in reply.content] == [("text", "hello world")]
     assert reply.stop_reason == "end_turn" and reply.stop_sequence is None
     expected_prompt = rendered(server, user("hi there"))
@@ -91,16 +91,16 @@ def test_text_reply_ids_usage_and_prompt(server, client, submitted):
 
 def test_system_as_string_and_blocks(server, client, submitted):
     server.script("ok")
-    client.messages.create(model="m", max_tokens=8, system="Be brief.", messages=user("hi"))
+    client.messages.create(model="tiny-test", max_tokens=8, system="Be brief.", messages=user("hi"))
     blocks = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]
-    client.messages.create(model="m", max_tokens=8, system=blocks, messages=user("hi"))
+    client.messages.create(model="tiny-test", max_tokens=8, system=blocks, messages=user("hi"))
     assert submitted[0].ids == rendered(server, [{"role": "system", "content": "Be brief."}, *user("hi")])
     assert submitted[1].ids == rendered(server, [{"role": "system", "content": "Be\nbrief."}, *user("hi")])
 
 
 def test_sampling_fields_via_extra_body(server, client, submitted):
     server.script("ok")
-    client.messages.create(model="m", max_tokens=8, messages=user("hi"), metadata={"user_id": "u1"},
+    client.messages.create(model="tiny-test", max_tokens=8, messages=user("hi"), metadata={"user_id": "u1"},
                            extra_body={"temperature": 0.0, "top_k": 5, "top_p": 0.9, "seed": 7})  # fmt: skip
     params = submitted[0].params
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens, params.seed) == (0.0, 5, 0.9, 8, 7)
@@ -111,7 +111,7 @@ def test_stop_sequences_report_the_match(server, client, stream):
     server.script("one two three four")
     # "hree" and "three" end at the same character: the engine's match is the longer one, and the text is cut
     # before it
-    kwargs = dict(model="m", max_tokens=32, messages=user("count"), stop_sequences=["zzz", "hree", "three"])
+    kwargs = dict(model="tiny-test", max_tokens=32, messages=user("count"), stop_sequences=["zzz", "hree", "three"])
     if stream:
         with client.messages.stream(**kwargs) as s:
             text = "".join(s.text_stream)
@@ -126,7 +126,7 @@ def test_stop_sequences_report_the_match(server, client, stream):
 def test_max_tokens_reason(server, client):
     script = "the quick brown fox jumps over the lazy dog"
     server.script(script)
-    reply = client.messages.create(model="m", max_tokens=3, messages=user("go"))
+    reply = client.messages.create(model="tiny-test", max_tokens=3, messages=user("go"))
     ids = server.tokenizer.encode(script, add_special_tokens=False)
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
     assert reply.content[0].text == server.tokenizer.decode(ids[:3])
@@ -134,7 +134,7 @@ def test_max_tokens_reason(server, client):
 
 def test_stream_matches_non_stream(server, client):
     server.script("the quick brown fox")
-    kwargs = dict(model="m", max_tokens=32, messages=user("tell me"))
+    kwargs = dict(model="tiny-test", max_tokens=32, messages=user("tell me"))
     plain = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as s:
         pieces = list(s.text_stream)
@@ -147,19 +147,19 @@ def test_stream_matches_non_stream(server, client):
 def test_assistant_prefill_is_continued_not_repeated(server, client, submitted):
     server.script(" 42.")
     messages = [*user("what is the answer?"), {"role": "assistant", "content": "The answer is"}]
-    reply = client.messages.create(model="m", max_tokens=16, messages=messages)
+    reply = client.messages.create(model="tiny-test", max_tokens=16, messages=messages)
     assert reply.content[0].text == " 42."
     assert submitted[0].ids == rendered(server, user("what is the answer?"), suffix="The answer is")
 
 
 def test_count_tokens(server, client):
-    counted = client.messages.count_tokens(model="m", messages=user("hello"), system="sys")
+    counted = client.messages.count_tokens(model="tiny-test", messages=user("hello"), system="sys")
     assert counted.input_tokens == len(rendered(server, [{"role": "system", "content": "sys"}, *user("hello")]))
 
 
 def test_sse_framing_and_event_order(server):
     server.script("hello world")
-    response = post(server, {"model": "m", "max_tokens": 16, "messages": user("hi"), "stream": True})
+    response = post(server, {"model": "tiny-test", "max_tokens": 16, "messages": user("hi"), "stream": True})
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     events = sse_events(response.text)
     names = " ".join(name for name, _ in events)
@@ -177,7 +177,9 @@ def test_sse_framing_and_event_order(server):
 # ---- tools ------------------------------------------------------------------------------------------------------
 def test_tool_use_non_stream(server, client, submitted):
     server.script("Let me check.\n" + CALL)
-    reply = client.messages.create(model="m", max_tokens=128, messages=user("weather in Paris?"), tools=[WEATHER])
+    reply = client.messages.create(
+        model="tiny-test", max_tokens=128, messages=user("weather in Paris?"), tools=[WEATHER]
+    )
     assert submitted[0].ids == rendered(server, user("weather in Paris?"), tools=[WEATHER_FN])
     assert reply.stop_reason == "tool_use"
     assert [b.type for b in reply.content] == ["text", "tool_use"] and reply.content[0].text == "Let me check."
@@ -188,7 +190,7 @@ def test_tool_use_non_stream(server, client, submitted):
 
 def test_tool_use_stream_fragments_are_json(server, client):
     server.script(CALL)
-    body = {"model": "m", "max_tokens": 128, "messages": user("weather?"), "tools": [WEATHER], "stream": True}
+    body = {"model": "tiny-test", "max_tokens": 128, "messages": user("weather?"), "tools": [WEATHER], "stream": True}
     events = sse_events(post(server, body).text)
     starts = [d["content_block"] for n, d in events if n == "content_block_start"]
     assert [b["type"] for b in starts] == ["tool_use"] and starts[0]["input"] == {}  # no blank text block
@@ -196,7 +198,7 @@ def test_tool_use_stream_fragments_are_json(server, client):
                  if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]  # fmt: skip
     assert json.loads("".join(fragments)) == {"city": "Paris"}
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
-    with client.messages.stream(model="m", max_tokens=128, messages=user("weather?"), tools=[WEATHER]) as s:
+    with client.messages.stream(model="tiny-test", max_tokens=128, messages=user("weather?"), tools=[WEATHER]) as s:
         final = s.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {"city": "Paris"})]
     assert final.stop_reason == "tool_use"
@@ -204,13 +206,13 @@ def test_tool_use_stream_fragments_are_json(server, client):
 
 def test_tool_result_round_trip_reaches_the_prompt(server, client, submitted):
     server.script(CALL)
-    first = client.messages.create(model="m", max_tokens=128, messages=user("weather?"), tools=[WEATHER])
+    first = client.messages.create(model="tiny-test", max_tokens=128, messages=user("weather?"), tools=[WEATHER])
     call = first.content[0]
     server.script("It is sunny.")
     messages = [*user("weather?"), {"role": "assistant", "content": first.content},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                               "content": [{"type": "text", "text": "22 C, sunny"}]}]}]  # fmt: skip
-    second = client.messages.create(model="m", max_tokens=32, messages=messages, tools=[WEATHER])
+    second = client.messages.create(model="tiny-test", max_tokens=32, messages=messages, tools=[WEATHER])
     assert second.content[0].text == "It is sunny." and second.stop_reason == "end_turn"
     expected = [*user("weather?"),
                 {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function",
@@ -234,7 +236,7 @@ def test_tool_result_round_trip_reaches_the_prompt(server, client, submitted):
 def test_tool_choice_forces_a_call(server, client, submitted, choice, script, expect):
     # no pre-fill: the call is forced by a grammar (tests/astrai/serve/test_tool_choice_grammar.py)
     server.script(script)
-    reply = client.messages.create(model="m", max_tokens=256, messages=user("weather?"), tools=[WEATHER],
+    reply = client.messages.create(model="tiny-test", max_tokens=256, messages=user("weather?"), tools=[WEATHER],
                                    tool_choice=choice)  # fmt: skip
     assert submitted[0].ids == rendered(server, user("weather?"), tools=[WEATHER_FN])
     assert submitted[0].params.grammar is not None and submitted[0].params.grammar.param == "tool_choice"
@@ -244,7 +246,7 @@ def test_tool_choice_forces_a_call(server, client, submitted, choice, script, ex
 
 def test_tool_choice_none_renders_no_tools_and_parses_nothing(server, client, submitted):
     server.script(CALL)
-    reply = client.messages.create(model="m", max_tokens=128, messages=user("weather?"), tools=[WEATHER],
+    reply = client.messages.create(model="tiny-test", max_tokens=128, messages=user("weather?"), tools=[WEATHER],
                                    tool_choice={"type": "none"})  # fmt: skip
     assert submitted[0].ids == rendered(server, user("weather?"))
     assert [(b.type, b.text) for b in reply.content] == [("text", CALL)] and reply.stop_reason == "end_turn"
@@ -254,7 +256,7 @@ def test_tool_choice_none_renders_no_tools_and_parses_nothing(server, client, su
 def test_parallel_calls_and_disable_parallel_tool_use(server, client, single):
     server.script(CALL + "\n" + CALL.replace("Paris", "Lyon"))
     choice = {"type": "auto", "disable_parallel_tool_use": single}
-    reply = client.messages.create(model="m", max_tokens=200, messages=user("weather?"), tools=[WEATHER],
+    reply = client.messages.create(model="tiny-test", max_tokens=200, messages=user("weather?"), tools=[WEATHER],
                                    tool_choice=choice)  # fmt: skip
     cities = [b.input["city"] for b in reply.content if b.type == "tool_use"]
     assert cities == (["Paris"] if single else ["Paris", "Lyon"]) and reply.stop_reason == "tool_use"
@@ -268,13 +270,13 @@ def test_tool_result_error_flag_reaches_the_prompt(server, client, submitted):
                                                    "input": {"city": "Paris"}}]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "boom",
                                               "is_error": True}, {"type": "text", "text": "try again?"}]}]  # fmt: skip
-    client.messages.create(model="m", max_tokens=8, messages=messages)
+    client.messages.create(model="tiny-test", max_tokens=8, messages=messages)
     prompt = server.tokenizer.decode(submitted[0].ids, skip_special_tokens=False)
     assert "<tool_response>\nError: boom\n</tool_response><|im_end|>\n<|im_start|>user\ntry again?<|im_end|>" in prompt
 
 
 # ---- errors and cancellation ------------------------------------------------------------------------------------
-GOOD = {"model": "m", "max_tokens": 8, "messages": user("hi")}
+GOOD = {"model": "tiny-test", "max_tokens": 8, "messages": user("hi")}
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 BAD = {
     "missing max_tokens": ({k: v for k, v in GOOD.items() if k != "max_tokens"}, 400, "max_tokens"),
@@ -327,7 +329,7 @@ def test_bad_input_is_4xx_in_anthropic_shape(server, case):
 
 
 def test_malformed_json_wrong_key_and_too_long_prompt(server, client):
-    raw = httpx.post(f"{server.base_url}/v1/messages", content=b'{"model": "m", "max_tokens": ',
+    raw = httpx.post(f"{server.base_url}/v1/messages", content=b'{"model": "tiny-test", "max_tokens": ',
                      headers={**HEADERS, "content-type": "application/json"})  # fmt: skip
     assert "JSON" in assert_error_shape(raw, 400, "invalid_request_error")
     assert_error_shape(post(server, GOOD, headers={"x-api-key": "wrong"}), 401, "authentication_error")
@@ -343,7 +345,7 @@ def test_malformed_json_wrong_key_and_too_long_prompt(server, client):
     assert message.startswith("input length and `max_tokens` exceed context limit: ")
     assert f" + {context} > {context}," in message
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [IMAGE]}])
+        client.messages.create(model="tiny-test", max_tokens=8, messages=[{"role": "user", "content": [IMAGE]}])
     assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
 
 
@@ -372,7 +374,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, monkeypatch):
     server.script(text)
     monkeypatch.setattr(server.engine, "runner", SlowRunner(server.engine.runner))
     before = server.engine.stats().generated_tokens
-    body = {"model": "m", "max_tokens": 400, "messages": user("go"), "stream": True}
+    body = {"model": "tiny-test", "max_tokens": 400, "messages": user("go"), "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/messages", json=body, headers=HEADERS, timeout=60) as r:
         deltas = 0
         for line in r.iter_lines():

@@ -38,26 +38,26 @@ def test_openai_sdk_sees_the_code_and_numbers(server, oai):
     client = oai
     n = context(server)
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": long_text(server)}])
+        client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": long_text(server)}])
     body = err.value.body
     assert body["code"] == "context_length_exceeded" and body["param"] == "messages"
     assert body["message"].startswith(f"This model's maximum context length is {n} tokens. However, your messages "
                                       "resulted in ")  # fmt: skip
     with pytest.raises(openai.BadRequestError) as err:  # fits alone, not with the completion asked for
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=n)
+        client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "hi"}], max_tokens=n)
     assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
     assert f", {n} in the completion)" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="m", prompt=long_text(server), max_tokens=1)
+        client.completions.create(model="tiny-test", prompt=long_text(server), max_tokens=1)
     assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as err:  # negative control: another 400 carries no such code
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], temperature=-1)
+        client.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "hi"}], temperature=-1)
     assert err.value.body["code"] != "context_length_exceeded"
 
 
 def _litellm(server, provider: str, content: str, **kw):
     base = server.base_url + ("/v1" if provider == "openai" else "")
-    return litellm.completion(model=f"{provider}/m", api_base=base, api_key=API_KEY, num_retries=0,
+    return litellm.completion(model=f"{provider}/tiny-test", api_base=base, api_key=API_KEY, num_retries=0,
                               messages=[{"role": "user", "content": content}], **kw)  # fmt: skip
 
 

@@ -36,7 +36,7 @@ def _markers(server, ids: list[int]) -> tuple[int, int]:
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
-    response = httpx.post(f"{server.base_url}{path}", json={"model": "m", **body}, headers=AUTH, timeout=30)
+    response = httpx.post(f"{server.base_url}{path}", json={"model": "tiny-test", **body}, headers=AUTH, timeout=30)
     assert response.status_code == 200, response.text
     return response
 

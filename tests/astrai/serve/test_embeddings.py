@@ -183,3 +183,10 @@ def test_cli_flags_enable_the_route(live, monkeypatch):
         app, engine = built.pop()
         engine.shutdown()
         assert app.state.embeddings == expected
+
+
+def test_an_unknown_model_is_404_model_not_found(client):
+    assert client.embeddings.create(model=MODEL, input="fox").data  # the served name is served
+    with pytest.raises(openai.NotFoundError) as err:
+        client.embeddings.create(model="text-embedding-3-small", input="fox")
+    assert err.value.code == "model_not_found"

@@ -111,7 +111,7 @@ def test_anthropic_forced_tool_whose_schema_has_no_finite_value_is_a_400(server)
     dead = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
             "$defs": NESTED_ARRAYS["$defs"]}  # fmt: skip
     good = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-    body = {"model": "m", "max_tokens": 64, "messages": USER, "tool_choice": {"type": "any"}}
+    body = {"model": "tiny-test", "max_tokens": 64, "messages": USER, "tool_choice": {"type": "any"}}
     reply = httpx.post(server.base_url + "/v1/messages", headers=AUTH, timeout=60,
                        json={**body, "tools": [{"name": "f", "input_schema": dead}]})  # fmt: skip
     assert reply.status_code == 400, reply.text
@@ -226,7 +226,7 @@ def test_anthropic_request_whose_grammar_fails_is_a_400_in_its_shape(server, mon
 
     monkeypatch.setattr(runner_module, "_steered_token", raising)
     tool = {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
-    body = {"model": "m", "max_tokens": 64, "messages": USER, "tools": [tool], "tool_choice": {"type": "any"}}
+    body = {"model": "tiny-test", "max_tokens": 64, "messages": USER, "tools": [tool], "tool_choice": {"type": "any"}}
     reply = httpx.post(server.base_url + "/v1/messages", headers=AUTH, timeout=60, json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["type"] == "error" and reply.json()["error"]["type"] == "invalid_request_error"

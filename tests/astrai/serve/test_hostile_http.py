@@ -303,9 +303,9 @@ def test_busy_answers_carry_retry_after(server, monkeypatch):
 
     monkeypatch.setattr(server.engine, "submit", busy)
     auth = {"x-api-key": "test-key"}
-    openai = httpx.post(f"{server.base_url}/v1/chat/completions", json=CHAT, headers=auth)
+    openai = httpx.post(f"{server.base_url}/v1/chat/completions", json={**CHAT, "model": "tiny-test"}, headers=auth)
     assert openai.status_code == 429 and openai.headers["retry-after"] == "1"
-    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "tiny-test", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     anthropic = httpx.post(f"{server.base_url}/v1/messages", json=body, headers=auth)
     assert anthropic.status_code == 529 and anthropic.headers["retry-after"] == "1"
     assert anthropic.json()["error"]["type"] == "overloaded_error"

@@ -61,7 +61,7 @@ def assemble(chunks) -> dict[int, dict]:
 def test_chat_stream_matches_non_stream(server, client):
     text = "Hello world, the quick brown fox! héllo 🙂"
     server.script(text)
-    full = client.chat.completions.create(model="anything", messages=USER)
+    full = client.chat.completions.create(model=MODEL, messages=USER)
     assert full.id.startswith("chatcmpl-") and full.object == "chat.completion" and full.model == MODEL
     choice = full.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", text, "stop")
@@ -70,7 +70,7 @@ def test_chat_stream_matches_non_stream(server, client):
     completion_len = n_tokens(server, text) + 1  # the eos token counts
     assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_len, completion_len)
     assert full.usage.total_tokens == prompt_len + completion_len
-    chunks = list(client.chat.completions.create(model="x", messages=USER, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, stream=True))
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     assert chunks[0].choices[0].delta.role == "assistant"
     assert assemble(chunks) == {0: {"content": text, "calls": {}, "finish": "stop", "role": "assistant"}}

@@ -87,7 +87,7 @@ def test_enable_thinking_and_earlier_reasoning_reach_the_template(server):
                {"role": "user", "content": "and 3+3?"}]  # fmt: skip
     assert "<think>\ntwo plus two\n</think>" in text(parse_chat({"messages": history}, tok, **limits).prompt)
 
-    body = {"model": "m", "max_tokens": 2048, "messages": messages}
+    body = {"model": "tiny-test", "max_tokens": 2048, "messages": messages}
     disabled = render_prompt(tok, parse_request({**body, "thinking": {"type": "disabled"}}))
     enabled = render_prompt(tok, parse_request({**body, "thinking": {"type": "enabled", "budget_tokens": 1024}}))
     assert text(disabled).endswith("<think>\n\n</think>\n\n") and not text(enabled).endswith("</think>\n\n")
@@ -115,10 +115,10 @@ MSGS = [{"role": "user", "content": "What is 2+2?"}]
 
 def test_openai_reasoning_content_whole_and_streamed(thinking_server, oai):
     thinking_server.script(SAID)
-    msg = oai.chat.completions.create(model="m", messages=MSGS, max_tokens=64).choices[0].message
+    msg = oai.chat.completions.create(model="tiny-test", messages=MSGS, max_tokens=64).choices[0].message
     assert (msg.reasoning_content, msg.content) == ("The user adds 2 and 2.", "The answer is 4.")
     reasoning = content = ""
-    for chunk in oai.chat.completions.create(model="m", messages=MSGS, max_tokens=64, stream=True):
+    for chunk in oai.chat.completions.create(model="tiny-test", messages=MSGS, max_tokens=64, stream=True):
         delta = chunk.choices[0].delta
         reasoning += getattr(delta, "reasoning_content", None) or ""
         content += delta.content or ""
@@ -127,7 +127,7 @@ def test_openai_reasoning_content_whole_and_streamed(thinking_server, oai):
 
 def test_without_a_parser_the_text_is_left_alone(server, oai):
     server.script(SAID)  # negative control: the default server does not split
-    msg = oai.chat.completions.create(model="m", messages=MSGS, max_tokens=64).choices[0].message
+    msg = oai.chat.completions.create(model="tiny-test", messages=MSGS, max_tokens=64).choices[0].message
     assert msg.content.startswith("<think>") and getattr(msg, "reasoning_content", None) is None
 
 
@@ -135,7 +135,7 @@ def test_tool_calls_are_parsed_after_the_reasoning(thinking_server, oai):
     call = {"name": "get_weather", "arguments": {"city": "Paris"}}
     thinking_server.script(f"<think>\nI need the weather.\n</think>\n\n<tool_call>\n{json.dumps(call)}\n</tool_call>")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    choice = oai.chat.completions.create(model="m", messages=MSGS, max_tokens=512, tools=tools).choices[0]
+    choice = oai.chat.completions.create(model="tiny-test", messages=MSGS, max_tokens=512, tools=tools).choices[0]
     assert choice.message.reasoning_content == "I need the weather." and choice.finish_reason == "tool_calls"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     assert choice.message.content is None
@@ -143,7 +143,7 @@ def test_tool_calls_are_parsed_after_the_reasoning(thinking_server, oai):
 
 def test_anthropic_thinking_blocks_whole_and_streamed(thinking_server, anth):
     thinking_server.script(SAID)
-    kw = dict(model="m", max_tokens=1500, messages=MSGS, thinking={"type": "enabled", "budget_tokens": 1024})
+    kw = dict(model="tiny-test", max_tokens=1500, messages=MSGS, thinking={"type": "enabled", "budget_tokens": 1024})
     reply = anth.messages.create(**kw)
     assert [b.type for b in reply.content] == ["thinking", "text"]
     assert (reply.content[0].thinking, reply.content[1].text) == ("The user adds 2 and 2.", "The answer is 4.")
@@ -156,7 +156,7 @@ def test_anthropic_thinking_blocks_whole_and_streamed(thinking_server, anth):
 
 def test_anthropic_thinking_needs_a_parser(server, anth):
     with pytest.raises(anthropic.BadRequestError, match="--reasoning-parser"):
-        anth.messages.create(model="m", max_tokens=1500, messages=MSGS,
+        anth.messages.create(model="tiny-test", max_tokens=1500, messages=MSGS,
                                thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
 
 

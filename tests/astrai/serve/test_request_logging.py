@@ -26,14 +26,18 @@ def _traffic(server) -> None:
     """One request of each kind, each prompt holding SECRET, one of them longer than PROMPT_LOG_CHARS."""
     server.script("ok")
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60) as sdk:
-        sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": f"chat {SECRET}"}])
-        sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": f"s {SECRET}"}], stream=True)
-        sdk.completions.create(model="m", prompt=f"legacy {SECRET} " + "x" * 1000, temperature=0.5)
-        sdk.completions.create(model="m", prompt=["first prompt", f"second {SECRET}"])
+        sdk.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": f"chat {SECRET}"}])
+        sdk.chat.completions.create(
+            model="tiny-test", messages=[{"role": "user", "content": f"s {SECRET}"}], stream=True
+        )
+        sdk.completions.create(model="tiny-test", prompt=f"legacy {SECRET} " + "x" * 1000, temperature=0.5)
+        sdk.completions.create(model="tiny-test", prompt=["first prompt", f"second {SECRET}"])
         with pytest.raises(openai.BadRequestError):
-            sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": SECRET}], temperature=9)
+            sdk.chat.completions.create(
+                model="tiny-test", messages=[{"role": "user", "content": SECRET}], temperature=9
+            )
     with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60) as sdk:
-        sdk.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": f"claude {SECRET}"}])
+        sdk.messages.create(model="tiny-test", max_tokens=4, messages=[{"role": "user", "content": f"claude {SECRET}"}])
     server.wait_idle()
 
 
@@ -52,7 +56,7 @@ def test_no_prompt_and_no_key_in_logs_by_default(server, caplog, monkeypatch):
             patch.setattr(server.engine, "submit", lambda *a, **k: 1 / 0)
             with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0) as sdk:
                 with pytest.raises(openai.InternalServerError):
-                    sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": SECRET}])
+                    sdk.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": SECRET}])
     text = _logged(caplog)
     assert "internal error in POST /v1/chat/completions" in text and "ZeroDivisionError" in text  # seen here
     assert SECRET not in text and KEY not in text

@@ -61,7 +61,7 @@ CHAT_CASES = {
 def test_chat_completion_and_chunks_validate_against_openai_types(server, case):
     said, extra = CHAT_CASES[case]
     server.script(said)
-    body = {"model": "m", "messages": MSGS, "max_tokens": 64, **extra}
+    body = {"model": "tiny-test", "messages": MSGS, "max_tokens": 64, **extra}
     whole = oc.ChatCompletion.model_validate(_post(server, "/v1/chat/completions", body).json())
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     raw = _sse(_post(server, "/v1/chat/completions", stream).text)
@@ -77,7 +77,7 @@ def test_chat_completion_and_chunks_validate_against_openai_types(server, case):
 
 def test_chat_with_reasoning_validates(reasoning):
     reasoning.script(THOUGHT)
-    body = {"model": "m", "messages": MSGS, "max_tokens": 64}
+    body = {"model": "tiny-test", "messages": MSGS, "max_tokens": 64}
     reply = oc.ChatCompletion.model_validate(_post(reasoning, "/v1/chat/completions", body).json())
     assert reply.choices[0].message.content == "The answer is 4."
     for chunk in _sse(_post(reasoning, "/v1/chat/completions", {**body, "stream": True}).text):
@@ -91,7 +91,7 @@ def test_completions_validate_against_openai_types(server, extra):
     (`echo` with logprobs is left out for the same reason: the API's first prompt token has a null logprob, which
     the SDK's `List[float]` does not admit.)"""
     server.script("hello world")
-    body = {"model": "m", "prompt": "Say hi", "max_tokens": 8, **extra}
+    body = {"model": "tiny-test", "prompt": "Say hi", "max_tokens": 8, **extra}
     whole = ot.Completion.model_validate(_post(server, "/v1/completions", body).json())
     assert whole.choices[0].finish_reason == "stop"
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -124,7 +124,7 @@ def _check_messages(server, body):
 def test_messages_and_stream_events_validate_against_anthropic_types(server, case):
     said, extra = MESSAGE_CASES[case]
     server.script(said)
-    reply = _check_messages(server, {"model": "m", "max_tokens": 64, "messages": MSGS, **extra})
+    reply = _check_messages(server, {"model": "tiny-test", "max_tokens": 64, "messages": MSGS, **extra})
     assert reply.stop_reason == {"tool_use": "tool_use", "max_tokens": "max_tokens"}.get(
         case, "stop_sequence" if case == "stop_sequence" else "end_turn"
     )
@@ -133,18 +133,20 @@ def test_messages_and_stream_events_validate_against_anthropic_types(server, cas
 def test_thinking_blocks_validate_against_anthropic_types(reasoning):
     reasoning.script(THOUGHT)
     thinking = {"type": "enabled", "budget_tokens": 1024}
-    reply = _check_messages(reasoning, {"model": "m", "max_tokens": 1500, "messages": MSGS, "thinking": thinking})
+    reply = _check_messages(
+        reasoning, {"model": "tiny-test", "max_tokens": 1500, "messages": MSGS, "thinking": thinking}
+    )
     assert [type(b) for b in reply.content] == [at.ThinkingBlock, at.TextBlock]
 
 
 def test_count_tokens_validates(server):
-    body = {"model": "m", "messages": MSGS}
+    body = {"model": "tiny-test", "messages": MSGS}
     at.MessageTokensCount.model_validate(_post(server, "/v1/messages/count_tokens", body).json())
 
 
 def test_the_validators_reject_a_dropped_field_or_a_changed_literal():
     """Negative control: what the tests above rely on the SDK types to catch, they do catch."""
-    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "end_turn",
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "tiny-test", "stop_reason": "end_turn",
                "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1},
                "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}  # fmt: skip
     at.Message.model_validate(message)
@@ -155,7 +157,14 @@ def test_the_validators_reject_a_dropped_field_or_a_changed_literal():
     with pytest.raises(pydantic.ValidationError):
         STREAM_EVENT.validate_python({"type": "message_delta", "delta": {"stop_reason": "end_turn"}})  # no usage
     usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [], "usage": usage}
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "tiny-test",
+        "choices": [],
+        "usage": usage,
+    }
     oc.ChatCompletionChunk.model_validate(chunk)
     for broken in ({**chunk, "object": "chat.completion"}, {**chunk, "usage": {"prompt_tokens": 3}}):
         with pytest.raises(pydantic.ValidationError):

@@ -114,7 +114,7 @@ def test_anthropic_any_and_tool_are_constrained_the_same_way(anth, stream):
         choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
         if seed % 4 == 3:
             choice = {**choice, "disable_parallel_tool_use": True}
-        kwargs = dict(model="m", max_tokens=BUDGET, messages=USER, tools=tools, tool_choice=choice,
+        kwargs = dict(model="tiny-test", max_tokens=BUDGET, messages=USER, tools=tools, tool_choice=choice,
                       extra_body={"temperature": 1.0, "seed": seed})  # fmt: skip
         if stream:
             with anth.messages.stream(**kwargs) as s:
@@ -238,7 +238,7 @@ def test_a_call_the_model_starts_under_auto_is_always_finished_and_valid(tag_eng
 def test_anthropic_auto_is_constrained_too(anth, monkeypatch):
     from astrai.serve.anthropic_protocol import parse_request, sampling_params
 
-    body = {"model": "m", "max_tokens": 64, "messages": USER,
+    body = {"model": "tiny-test", "max_tokens": 64, "messages": USER,
             "tools": [{"name": n, "input_schema": p} for n, p in PARAMS.items()]}  # fmt: skip
     auto = sampling_params(parse_request(body))
     assert auto.grammar is not None and "lead[stop=" in auto.grammar.source and "call_rest)*" in auto.grammar.source

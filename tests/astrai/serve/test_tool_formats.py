@@ -190,7 +190,9 @@ def test_forced_calls_through_the_sdks_in_every_format(server, oai, anth, monkey
     monkeypatch.setattr(server.app.state, "tool_parser", fmt)
     user = [{"role": "user", "content": "what is the weather?"}]
     tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in PARAMS.items()]
-    kwargs = dict(model="m", messages=user, tools=tools, tool_choice="required", temperature=1.0, max_tokens=400)
+    kwargs = dict(
+        model="tiny-test", messages=user, tools=tools, tool_choice="required", temperature=1.0, max_tokens=400
+    )
     choice = oai.chat.completions.create(**kwargs, seed=1).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and not choice.message.content
     for call in choice.message.tool_calls:
@@ -203,7 +205,8 @@ def test_forced_calls_through_the_sdks_in_every_format(server, oai, anth, monkey
             part[1] += tc.function.arguments or ""
     ((name, arguments),) = streamed.values()
     jsonschema.validate(json.loads(arguments), PARAMS[name])
-    reply = anth.messages.create(model="m", max_tokens=400, messages=user, tool_choice={"type": "tool", "name": "add"},
+    reply = anth.messages.create(model="tiny-test", max_tokens=400, messages=user,
+                                 tool_choice={"type": "tool", "name": "add"},
                                  tools=[{"name": n, "input_schema": p} for n, p in PARAMS.items()],
                                  extra_body={"temperature": 1.0, "seed": 3})  # fmt: skip
     uses = [b for b in reply.content if b.type == "tool_use"]
@@ -253,6 +256,6 @@ def test_a_qwen3_coder_pattern_the_engine_cannot_take_is_a_400(server, oai, monk
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     user = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model="m", messages=user, tools=tools, tool_choice="required", max_tokens=8)
+        oai.chat.completions.create(model="tiny-test", messages=user, tools=tools, tool_choice="required", max_tokens=8)
     assert err.value.body["param"] == "tool_choice"
-    assert oai.chat.completions.create(model="m", messages=user, max_tokens=2).choices[0].finish_reason
+    assert oai.chat.completions.create(model="tiny-test", messages=user, max_tokens=2).choices[0].finish_reason

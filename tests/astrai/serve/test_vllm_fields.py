@@ -191,14 +191,14 @@ def test_anthropic_takes_the_sampling_defaults(server, submitted, monkeypatch):
     monkeypatch.setattr(server.app.state, "sampling_defaults", defaults)
     server.script("ok")
     with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60) as sdk:
-        sdk.messages.create(model="m", max_tokens=8, messages=USER)
+        sdk.messages.create(model="tiny-test", max_tokens=8, messages=USER)
         p = submitted[-1].params
         assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.max_tokens) == (
             0.0, 7, 0.5, 0.1, 1.2, 8)  # fmt: skip
-        sdk.messages.create(model="m", max_tokens=8, messages=USER, extra_body={"temperature": 0.5, "top_k": 2})
+        sdk.messages.create(model="tiny-test", max_tokens=8, messages=USER, extra_body={"temperature": 0.5, "top_k": 2})
         assert (submitted[-1].params.temperature, submitted[-1].params.top_k) == (0.5, 2)
         with pytest.raises(anthropic.BadRequestError) as err:
-            sdk.messages.create(model="m", max_tokens=8, messages=USER, extra_body={"min_p": 0.2})
+            sdk.messages.create(model="tiny-test", max_tokens=8, messages=USER, extra_body={"min_p": 0.2})
         assert "min_p" in err.value.body["error"]["message"] and "top_k" in err.value.body["error"]["message"]
 
 
