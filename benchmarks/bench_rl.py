@@ -18,7 +18,7 @@ is measured); the per-step split `rollout_s` (generation), `reference_s` (refere
 
 Presets: `cpu` (the scaled-down Qwen3 of bench_throughput, ~54M params): the compiled engine (decode step and
 sampler, as a GRPO run with `TrainConfig.compile` gets them) against transformers eager and static-cache + compile
-(the stronger on 2026-12-05: astrai 1.03x it, 1.7x eager); `smoke` (tiny; seconds),
+(quiet box, 2026-12-05: astrai 2.55x the stronger of the two, eager there); `smoke` (tiny; seconds),
 eager. `--compile` also compiles the GRPO train step of the step-split section (minutes of inductor on 2 cores);
 `--grpo-compile/--no-grpo-compile` sets that section alone.
 Prints rich tables and the JSON report as the last stdout line (also written to --out).
