@@ -132,6 +132,10 @@ class ServeConfig(ModelArgs):
     """Embedding pooling: mean of all tokens, the first token (cls) or the last token."""
     embed_normalize: bool = True
     """L2-normalise embeddings (cosine similarity becomes a dot product)."""
+    max_embedding_tokens_per_request: int = 300_000
+    """Most tokens one embeddings request may hold over all its inputs (OpenAI's limit); more is a 400."""
+    max_embedding_batch_tokens: int | None = None
+    """Padded tokens per encoder pass; requests take turns pass by pass. Default: --max-num-batched-tokens."""
 
 
 def origin_list(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -286,7 +290,9 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                     log_requests=cfg.enable_log_requests, sampling_defaults=defaults,
                     tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser,
                     model_aliases=names[1:], responses_max_stored=cfg.responses_store_max_entries,
-                    responses_max_stored_bytes=cfg.responses_store_max_bytes)  # fmt: skip
+                    responses_max_stored_bytes=cfg.responses_store_max_bytes,
+                    max_embedding_tokens_per_request=cfg.max_embedding_tokens_per_request,
+                    max_embedding_batch_tokens=cfg.max_embedding_batch_tokens)  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

@@ -236,10 +236,15 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
               log_requests: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, model_aliases: Sequence[str] = (),
               responses_max_stored: int = responses_api.DEFAULT_MAX_STORED,
-              responses_max_stored_bytes: int = responses_api.DEFAULT_MAX_STORED_BYTES) -> ASGIApp:  # fmt: skip
+              responses_max_stored_bytes: int = responses_api.DEFAULT_MAX_STORED_BYTES,
+              max_embedding_tokens_per_request: int = embeddings_api.MAX_REQUEST_TOKENS,
+              max_embedding_batch_tokens: int | None = None) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
-    `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder).
+    `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder), run on
+    its own worker thread (`embeddings_api.Embedder`) in passes of at most `max_embedding_batch_tokens` padded
+    tokens (None: the engine's `max_step_tokens`), taking turns between requests; a request may hold at most
+    `max_embedding_tokens_per_request` tokens over its inputs.
     `body_timeout` bounds the seconds a request body may take to arrive; `allowed_hosts` (see `Guard`) lists the
     `Host` names accepted besides loopback ones ("*": any; None: any, except on loopback connections).
     With an `api_key`, `GET /metrics` needs the key too unless `metrics_public`. `tokenizer_workers` threads
@@ -266,18 +271,28 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
                         sampling_defaults=sampling_defaults or {}, log_requests=log_requests,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)  # fmt: skip
 
+    embedder = None
+    if embeddings is not None:
+        batch_tokens = max_embedding_batch_tokens or engine.config.max_step_tokens
+        embedder = embeddings_api.Embedder(engine.model, embeddings, max_batch_tokens=batch_tokens,
+                                           unavailable=lambda: engine.unavailable)  # fmt: skip
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         engine.shutdown()  # ends in-flight requests (finish_reason "abort") and frees their KV
+        if embedder is not None:
+            embedder.close()  # ends held embeddings requests (503) and stops its thread
 
-    routes = _basic_routes(state) + openai_api.routes(state) + embeddings_api.routes(state)
+    routes = _basic_routes(state) + openai_api.routes(state)
+    routes += embeddings_api.routes(state, embedder, max_request_tokens=max_embedding_tokens_per_request)
     routes += anthropic_api.routes(state)
     routes += responses_api.routes(state, max_stored=responses_max_stored, max_stored_bytes=responses_max_stored_bytes)
     state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
     state.metrics.model_name = model_name  # the vllm: families' model_name label
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = state
+    app.state.embedder = embedder  # tests and benchmarks watch its passes
     app.add_exception_handler(404, _http_error)
     app.add_exception_handler(405, _http_error)
     return Guard(app, state, body_timeout=body_timeout, allowed_hosts=allowed_hosts)
