@@ -1,0 +1,177 @@
+"""The server against hostile HTTP clients, second round (issue 42, items 6 and 8): request framing (a head over the
+limit sent in one write; Content-Length beside Transfer-Encoding), the error shape of refusals made before routing
+on /v1/messages, and API keys in the query string kept out of the access log. Each attack goes over a real socket
+to a live server on a free port, beside a positive control (the same request made acceptable is served).
+
+The `guarded` server runs `server_config`'s protocol with small limits (8 connections, 1 s head and body
+deadlines, an API key) so the attacks end in bounded time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+import astrai
+from astrai.inference.engine import Engine, EngineConfig
+from astrai.serve.app import build_app
+from astrai.serve.server import ConnectionLimits, GracefulServer, scan_head, server_config
+from helpers import tiny_model_dir
+
+KEY = "k-secret"
+TIMEOUT = 1.0  # the guarded server's body and head deadlines, seconds
+MAX_CONNECTIONS = 8
+HEAD_LIMIT = 16 << 10  # ConnectionLimits' default max_header_bytes
+AUTH = f"Authorization: Bearer {KEY}\r\n"
+
+
+@contextlib.contextmanager
+def running(server: uvicorn.Server) -> Iterator[int]:
+    """Run `server` in a thread; yields its port, stops it on exit."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = astrai.load(tiny_model_dir(tmp_path_factory.mktemp("hostile2") / "m"))
+    engine = Engine(model, EngineConfig(max_running=4, max_waiting=8, compile=False, kv_budget_tokens=2048))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def guarded(engine) -> Iterator[int]:
+    app = build_app(engine, model_name="m", api_key=KEY, max_body_bytes=64 << 10, body_timeout=TIMEOUT)
+    limits = ConnectionLimits(header_timeout=TIMEOUT, max_connections=MAX_CONNECTIONS)
+    config = server_config(app, limits, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    with running(GracefulServer(config, engine)) as port:
+        yield port
+
+
+def exchange(port: int, data: bytes, seconds: float = 3.0) -> tuple[bytes, bool]:
+    """Send `data` in one write; what the server answers within `seconds`, and whether it closed the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        return read_until_closed(sock, seconds)
+
+
+def read_until_closed(sock: socket.socket, seconds: float) -> tuple[bytes, bool]:
+    sock.settimeout(0.1)
+    data, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+    return data, False
+
+
+def answers(data: bytes) -> list[tuple[int, dict]]:
+    """Each (status, JSON body) of the responses in `data` (Content-Length framed, as every answer here is)."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        length = int(next(v for k, _, v in (h.partition(": ") for h in lines[1:]) if k.lower() == "content-length"))
+        out.append((int(lines[0].split()[1]), json.loads(rest[:length])))
+        data = rest[length:]
+    return out
+
+
+def get(path: str, *, extra: str = "", close: bool = True) -> bytes:
+    connection = "Connection: close\r\n" if close else ""
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{AUTH}{extra}{connection}\r\n".encode()
+
+
+def padded_get(path: str, size: int, *, close: bool = True) -> bytes:
+    """A GET head of exactly `size` bytes (an X-Pad header fills it)."""
+    bare = len(get(path, extra="X-Pad: \r\n", close=close))
+    return get(path, extra="X-Pad: " + "a" * (size - bare) + "\r\n", close=close)
+
+
+# ---- item 6: framing ------------------------------------------------------------------------------------------------
+
+
+def test_scan_head_reads_the_head_as_h11_does():
+    raw = b"POST /v1/messages?x=1 HTTP/1.1\r\nHost: a\nContent-Length: 3\r\n folded: x\r\n\r\n"
+    head = scan_head(raw + b"abc", 1000)
+    assert (head.path, head.size) == (b"/v1/messages", len(raw))
+    assert head.names == {b"host", b"content-length", b" folded"}  # a folded line names nothing h11 would read
+    assert scan_head(b"GET /v1/mess", 1000) == scan_head(b"", 1000)  # no request line yet: nothing known
+    assert scan_head(b"GET / HTTP/1.1\r\nX: " + b"a" * 100 + b"\r\n\r\n", 50).size is None  # searched up to the limit
+
+
+@pytest.mark.parametrize("size", [HEAD_LIMIT + 1, 64 << 10, 200 << 10])
+def test_head_over_the_limit_in_one_write_is_431_and_closed(guarded, size):
+    # the attack: the whole over-long head in one write (h11's own limit only counts a head still incomplete)
+    answer, closed = exchange(guarded, padded_get("/health", size))
+    [(status, body)] = answers(answer)
+    assert closed and status == 431 and "16384" in body["error"]["message"], answer[:300]
+    # positive control: a head just under the limit, in one write too, is served
+    [(status, body)] = answers(exchange(guarded, padded_get("/health", HEAD_LIMIT - 4))[0])
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_head_over_the_limit_in_many_writes_is_431(guarded):
+    with socket.create_connection(("127.0.0.1", guarded), timeout=5) as sock:
+        data = padded_get("/v1/messages", 64 << 10)
+        for i in range(0, len(data), 4096):
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(data[i : i + 4096])
+        answer, closed = read_until_closed(sock, 3)
+    [(status, body)] = answers(answer)
+    assert closed and status == 431 and body["type"] == "error", answer[:300]  # the Anthropic shape on its path
+
+
+def test_pipelined_head_over_the_limit_is_431_after_the_first_answer(guarded):
+    # a small request, then in the same write a huge one: the second head is parsed only after the first answer
+    answer, closed = exchange(guarded, get("/health", close=False) + padded_get("/health", 64 << 10))
+    [(first, body), (second, error)] = answers(answer)
+    assert (first, body["status"], second, closed) == (200, "ok", 431, True), answer[:300]
+    assert "16384" in error["error"]["message"]
+
+
+def chunked_post(path: str, framing: str) -> bytes:
+    body = b'{"model": "m", "prompt": "hi", "max_tokens": 1}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{AUTH}Content-Type: application/json\r\n{framing}\r\n"
+    return head.encode() + (chunked if "chunked" in framing.lower() else body)
+
+
+@pytest.mark.parametrize("framing", [
+    "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+    "transfer-encoding: chunked\r\ncontent-length: 0\r\n",
+    "TRANSFER-ENCODING: chunked\r\nContent-Length: 47\r\n",
+])  # fmt: skip
+def test_content_length_beside_transfer_encoding_is_400_and_closed(guarded, framing):
+    # the attack: two framings for one body; a proxy in front going by the other one would see a different request
+    # split (request smuggling). RFC 9112 section 6.1: answer, and close the connection in any case
+    answer, closed = exchange(guarded, chunked_post("/v1/completions", framing) + get("/health"))
+    [(status, body)] = answers(answer)  # the smuggled /health after it is never answered
+    assert closed and status == 400 and "Transfer-Encoding" in body["error"]["message"], answer[:300]
+    # positive controls: each framing alone is served, and keeps the connection for the next request
+    for alone in ("Transfer-Encoding: chunked\r\n", "Content-Length: 47\r\n"):
+        answer, closed = exchange(guarded, chunked_post("/v1/completions", alone) + get("/health"))
+        assert [status for status, _ in answers(answer)] == [200, 200] and closed, answer[:300]
