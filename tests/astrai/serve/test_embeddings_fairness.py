@@ -27,7 +27,7 @@ from astrai.inference.engine import Engine, EngineConfig
 from astrai.models.encoder import EncoderConfig
 from astrai.serve.app import build_app
 from astrai.serve.common import APIError
-from astrai.serve.embeddings_api import parse_embeddings
+from astrai.serve.embeddings_api import ClientGone, parse_embeddings
 from astrai.serve.server import GracefulServer
 from helpers import assert_close, tiny_model_dir
 
@@ -213,6 +213,17 @@ def test_the_budget_is_exact_and_stops_tokenizing_early(model):
     assert state.tokenizer.texts <= 64  # one chunk, not all 2000 texts
     ok = parse_embeddings(state, {"input": texts[:3]}, max_tokens=100)
     assert ok.inputs == model.tokenizer.encode_batch(texts[:3])
+
+
+def test_tokenizing_stops_when_the_client_left(model):
+    state, gone = _State(model, _CountingTokenizer(model.tokenizer)), threading.Event()
+    texts = ["the quick brown fox"] * 200
+    assert len(parse_embeddings(state, {"input": texts}, gone=gone).inputs) == 200  # positive control
+    assert state.tokenizer.texts == 200
+    gone.set()
+    with pytest.raises(ClientGone):
+        parse_embeddings(state, {"input": texts}, gone=gone)
+    assert state.tokenizer.texts == 200  # nothing more was tokenized
 
 
 def test_shutdown_ends_embeddings_with_a_503(model):
