@@ -6,7 +6,8 @@ tokenized on the server's worker pool (`ServerState.offload`), so a huge prompt 
 
 Response: `{"id": "msg_<24 hex>", "type": "message", "role": "assistant", "model", "content": [a `thinking` block
 {"thinking", "signature": ""} when the server has a reasoning parser and the model reasoned, text block (omitted
-when blank and tool calls follow), tool_use blocks {"id": "toolu_<24 hex>", "name", "input"}], "stop_reason":
+when blank and tool calls follow; no block at all when the answer was only a tool call's markup that was dropped,
+e.g. a forced call cut by `max_tokens`), tool_use blocks {"id": "toolu_<24 hex>", "name", "input"}], "stop_reason":
 "end_turn" | "max_tokens" | "stop_sequence" | "tool_use", "stop_sequence", "usage": {"input_tokens",
 "output_tokens"}}` (token counts; output includes the eos token). With `stream`: SSE events, each `event: <type>` +
 `data: <json>` + a blank line: message_start, then per block content_block_start / content_block_delta
@@ -62,7 +63,7 @@ class BlockWriter:
 
     A text block opens at the first non-blank text, so blank text right before a tool call is dropped; each
     tool call is one tool_use block whose input streams as `input_json_delta` fragments. An empty reply is one
-    empty text block. With `single_call` only the first tool call is kept.
+    empty text block, unless `finish(placeholder=False)`. With `single_call` only the first tool call is kept.
     """
 
     def __init__(self, single_call: bool = False) -> None:
@@ -95,10 +96,11 @@ class BlockWriter:
             return [{"type": "content_block_delta", "index": self.index, "delta": delta}] if event.text else []
         return self._close()
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Close the last block (an all-blank or empty answer still gets its text block)."""
+    def finish(self, placeholder: bool = True) -> list[dict[str, Any]]:
+        """Close the last block. An all-blank or empty answer still gets its text block, unless not `placeholder`
+        (the answer was a tool call's markup, dropped: no block at all)."""
         out = []
-        if not self.answered:
+        if not self.answered and placeholder:
             out = self._start({"type": "text", "text": ""}) + (self._delta(self._blank) if self._blank else [])
         self._blank = ""
         return out + self._close()
@@ -158,6 +160,7 @@ class Generation:
         self.parser = new_parser(parser, names, tool_schemas(req.tools), forced=forced) if names else None
         self.writer = BlockWriter(req.single_call)
         self.thinker = thinker
+        self.markup = False  # the parser got non-blank answer text (all of it markup if no block came of it)
 
     def feed(self, delta: Delta) -> list[dict[str, Any]]:
         """Events for one engine delta (the final one also closes the blocks)."""
@@ -173,13 +176,16 @@ class Generation:
         if self.thinker is not None:
             ended = self.thinker.finish() if delta.finish_reason is not None else []
             reasoning, text = sort_events(self.thinker.feed(text) + ended)
+        self.markup = self.markup or (self.parser is not None and bool(text.strip()))
         parsed = (self.parser.feed(text) if self.parser else [TextDelta(text)]) if text else []
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason
             parsed += self.parser.finish(delta.finish_reason == "length") if self.parser else []  # cut: no markup
         events = self.writer.think(reasoning) if reasoning else []
         events += [ev for p in parsed for ev in self.writer.push(p)]
-        return events + (self.writer.finish() if delta.finish_reason is not None else [])
+        # an answer that was all a dropped call's markup (a forced call cut by max_tokens) is no block, not an empty
+        # text block: the content is empty, as OpenAI's reply has neither content nor tool_calls then
+        return events + (self.writer.finish(placeholder=not self.markup) if delta.finish_reason is not None else [])
 
     @property
     def stop_reason(self) -> str:
