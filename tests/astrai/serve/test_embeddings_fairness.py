@@ -9,6 +9,7 @@ times. Vectors are compared with `astrai.embed_ids` on the same model (positive 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -27,7 +28,7 @@ from astrai.inference.engine import Engine, EngineConfig
 from astrai.models.encoder import EncoderConfig
 from astrai.serve.app import build_app
 from astrai.serve.common import APIError
-from astrai.serve.embeddings_api import ClientGone, parse_embeddings
+from astrai.serve.embeddings_api import ClientGone, Embedder, parse_embeddings
 from astrai.serve.server import GracefulServer
 from helpers import assert_close, tiny_model_dir
 
@@ -224,6 +225,34 @@ def test_tokenizing_stops_when_the_client_left(model):
     with pytest.raises(ClientGone):
         parse_embeddings(state, {"input": texts}, gone=gone)
     assert state.tokenizer.texts == 200  # nothing more was tokenized
+
+
+def test_the_worker_holds_a_bounded_number_of_requests_and_refuses_once_down(model):
+    down: dict[str, str | None] = {"why": None}
+    embedder = Embedder(model, EncoderConfig(), max_batch_tokens=16, unavailable=lambda: down["why"], max_queued=1)
+
+    async def scenario() -> None:
+        gone = threading.Event()
+        first = asyncio.create_task(embedder.run([[1] * 16] * 500, gone))  # 500 passes
+        await asyncio.sleep(0)  # it is held now
+        with pytest.raises(APIError) as err:
+            await embedder.run([[1]], threading.Event())
+        assert err.value.status == 429
+        gone.set()
+        with pytest.raises(ClientGone):
+            await first
+        assert embedder.passes < 500
+        vectors = await embedder.run([[1, 2]], threading.Event())  # room again: positive control
+        assert_close(vectors, astrai.embed_ids(model, [[1, 2]]), atol=1e-5)
+        down["why"] = "the engine was shut down"
+        with pytest.raises(APIError) as err:
+            await embedder.run([[1]], threading.Event())
+        assert err.value.status == 503 and "shut down" in err.value.message
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        embedder.close()
 
 
 def test_shutdown_ends_embeddings_with_a_503(model):
