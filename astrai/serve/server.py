@@ -118,6 +118,7 @@ class GuardedH11Protocol(H11Protocol):
         self.limits = limits
         self.head_timer: asyncio.TimerHandle | None = None
         self.over_cap: bytearray | None = None  # an over-cap connection's first bytes (it is never parsed)
+        self.head_path: bytes | None = None  # the path of the request line last scanned (h11 consumes the bytes)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -158,6 +159,7 @@ class GuardedH11Protocol(H11Protocol):
         which a proxy in front that went by Content-Length would split differently (request smuggling)."""
         buffer, limit = self.conn.trailing_data[0], self.limits.max_header_bytes
         head = scan_head(buffer, limit)
+        self.head_path = head.path
         if (head.size is None and len(buffer) > limit) or (head.size or 0) > limit:
             self._close_with(431, f"the request head is over the limit of {limit} bytes", {}, head.path)
             return False
@@ -172,8 +174,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.conn.our_state is not h11.IDLE:
             super().send_400_response(msg)
             return
-        path = scan_head(self.conn.trailing_data[0], self.limits.max_header_bytes).path
-        self._close_with(400, "the request is not valid HTTP/1.1", {}, path)
+        self._close_with(400, "the request is not valid HTTP/1.1", {}, self.head_path)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()

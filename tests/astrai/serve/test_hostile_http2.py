@@ -22,6 +22,7 @@ import uvicorn
 
 import astrai
 from astrai.inference.engine import Engine, EngineConfig
+from astrai.serve import server as server_module
 from astrai.serve.app import build_app
 from astrai.serve.server import ConnectionLimits, GracefulServer, scan_head, server_config
 from helpers import tiny_model_dir
@@ -248,3 +249,99 @@ def test_cut_closing_tag_is_not_content(server):
             "tool_choice": {"type": "any"}, "max_tokens": calls - 1}  # fmt: skip
     content, _ = messages(server, body)
     assert [block["type"] for block in content] == ["tool_use"], content
+
+
+# ---- item 8b: refusals before routing in the API's error shape ----------------------------------------------------
+
+PATHS = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "anthropic", "/v1/chat/completions": "openai"}
+
+
+def shape(body: dict) -> str:
+    """Which API's error shape `body` has: Anthropic's {"type": "error", "error": {type, message}} or OpenAI's
+    {"error": {message, type, param, code}}."""
+    if body.get("type") == "error" and set(body["error"]) == {"type", "message"}:
+        return "anthropic"
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return "openai"
+
+
+def post_head(path: str, extra: str = "", *, auth: str = AUTH, host: str = "127.0.0.1") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}{extra}".encode()
+
+
+JSON = "Content-Type: application/json\r\n"
+GUARD_ATTACKS = {  # status: the request (each refused by app.Guard before any route runs)
+    400: lambda p: post_head(p, JSON + "Content-Length: 2\r\n\r\n{}", host="evil.example"),  # DNS rebinding
+    401: lambda p: post_head(p, JSON + "Content-Length: 2\r\n\r\n{}", auth=""),
+    415: lambda p: post_head(p, "Content-Type: text/plain\r\nContent-Length: 2\r\n\r\n{}"),
+    413: lambda p: post_head(p, JSON + "Content-Length: 99999999\r\n\r\n"),
+    408: lambda p: post_head(p, JSON + "Content-Length: 100\r\n\r\n{"),  # the rest of the body never comes
+}
+SERVER_ATTACKS = {  # refused by GuardedH11Protocol before uvicorn hands a request to the app
+    408: lambda p: post_head(p, JSON),  # the head never ends
+    431: lambda p: post_head(p, "X-Pad: " + "a" * (64 << 10) + "\r\n\r\n"),
+    400: lambda p: post_head(p, JSON + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("where", "status"), [*(("guard", s) for s in GUARD_ATTACKS),
+                                               *(("server", s) for s in SERVER_ATTACKS)])  # fmt: skip
+def test_refusals_before_routing_use_the_paths_error_shape(guarded, path, where, status):
+    attack = (GUARD_ATTACKS if where == "guard" else SERVER_ATTACKS)[status](path)
+    answer, _ = exchange(guarded, attack, seconds=TIMEOUT + 2)
+    [(got, body)] = answers(answer)
+    assert got == status and shape(body) == PATHS[path], answer[:300]
+    if status == 401 and PATHS[path] == "anthropic":
+        assert body["error"]["type"] == "authentication_error"
+
+
+def test_unparsable_request_is_400_in_the_paths_shape(guarded):
+    for path, api in PATHS.items():
+        answer, closed = exchange(guarded, post_head(path, "Not a header line\r\n\r\n"))
+        [(status, body)] = answers(answer)
+        assert (status, shape(body), closed) == (400, api, True), answer[:300]
+
+
+def test_connection_cap_503_uses_the_paths_shape(guarded):
+    time.sleep(0.3)  # earlier tests' connections are gone
+    held = [socket.create_connection(("127.0.0.1", guarded), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for path, api in [*PATHS.items(), (None, "openai")]:  # None: a client that sends nothing
+            with socket.create_connection(("127.0.0.1", guarded), timeout=5) as extra:
+                if path is not None:
+                    extra.sendall(post_head(path, JSON + "Content-Length: 2\r\n\r\n{}"))
+                answer, closed = read_until_closed(extra, 2)
+            [(status, body)] = answers(answer)
+            assert (status, shape(body), closed) == (503, api, True), answer[:300]
+            assert b"retry-after: 1" in answer.lower()
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    # positive control: under the cap, the same request is served (a 400 from the route: the body is not a request)
+    [(status, body)] = answers(exchange(guarded, post_head("/v1/messages", JSON + "Content-Length: 2\r\n\r\n{}"))[0])
+    assert status == 400 and shape(body) == "anthropic"
+
+
+def test_connections_waiting_past_the_cap_are_bounded(guarded, monkeypatch):
+    # a flood past the cap: only OVER_CAP_WAITING connections wait for their request line; any further one is
+    # answered at once, so waiting connections cannot pile up
+    monkeypatch.setattr(server_module, "OVER_CAP_WAITING", 2)
+    monkeypatch.setattr(server_module, "OVER_CAP_WAIT_S", 30.0)  # capped by the head deadline: TIMEOUT
+    time.sleep(0.3)
+    held = [socket.create_connection(("127.0.0.1", guarded), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    waiting = [socket.create_connection(("127.0.0.1", guarded), timeout=5) for _ in range(2)]
+    try:
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", guarded), timeout=5) as extra:
+            answer, closed = read_until_closed(extra, 2)
+        assert closed and answer.startswith(b"HTTP/1.1 503 ") and time.monotonic() - started < TIMEOUT / 2
+        for sock in waiting:  # the waiting ones are answered at the deadline
+            answer, closed = read_until_closed(sock, TIMEOUT + 1)
+            assert closed and answer.startswith(b"HTTP/1.1 503 ")
+        assert time.monotonic() - started >= TIMEOUT * 0.8
+    finally:
+        for sock in held + waiting:
+            sock.close()
+    time.sleep(0.3)
