@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -134,6 +135,73 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
 
+DEFAULT_MAX_REPLY_BYTES = 32 << 20
+"""Largest reply (whole body, streamed or not) a request may ask for, as `reply_size` estimates it before
+generation; `--max-reply-bytes` / `build_app(max_reply_bytes=...)` change it."""
+
+# Bytes of JSON per item of a reply, measured on real tokenizers' output (json.dumps of each shape): a token's text
+# in `content`/`text`; one chat `logprobs.content` entry (token, logprob, bytes; each alternative is one too); one
+# legacy completions entry (`tokens` + `token_logprobs` + `text_offset` per token, a `top_logprobs` pair per
+# alternative); one vLLM `prompt_logprobs` entry ({id: {logprob, rank, decoded_token}}).
+BYTES_PER_TOKEN_TEXT = 8
+BYTES_PER_CHAT_LOGPROB = 64
+BYTES_PER_LEGACY_LOGPROB = 32
+BYTES_PER_VLLM_LOGPROB = 72
+
+
+def check_reply_size(limit: int | None, parts: Sequence[tuple[str, tuple[str, ...], int]]) -> int:
+    """APIError 400 (413-style, code `reply_too_large`) when the estimated reply bytes add up to more than `limit`
+    (None: no limit). `parts`: (what, the request fields that make it big, estimated bytes) per part of the reply.
+
+    Checked before anything is generated or scored, so a request whose reply would be too big costs nothing: the
+    message names the fields to lower (the largest part's first; `param` is its first field) with the estimate.
+    Returns the estimated bytes (under the limit).
+    """
+    total = sum(size for _, _, size in parts)
+    if limit is None or total <= limit:
+        return total
+    ranked = sorted((p for p in parts if p[2]), key=lambda p: -p[2])
+    fields = list(dict.fromkeys(name for _, names, _ in ranked for name in names))
+    detail = "; ".join(f"{what} ~{size / 1e6:.1f} MB" for what, _, size in ranked)
+    raise APIError(400, f"the reply would be about {total / 1e6:.1f} MB ({detail}), over this server's limit of "
+                        f"{limit / 1e6:.1f} MB (--max-reply-bytes): lower {', '.join(fields)}",
+                   param=fields[0], code="reply_too_large")  # fmt: skip
+
+
+BIG_REPLY_BYTES = 1 << 20
+"""An estimated reply size above which `json_bytes` / `sse_big` encode with the pure-Python encoder (see there)."""
+
+_COMPACT = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_SPACED = json.JSONEncoder(ensure_ascii=False)  # `sse`'s own format
+
+
+def json_bytes(content: Any, *, big: bool = False) -> bytes:
+    """`content` encoded as Starlette's JSONResponse does (compact, UTF-8, no NaN), for `state.offload`.
+
+    A `big` reply (estimated over `BIG_REPLY_BYTES`) goes through the pure-Python encoder: about 5x the CPU of the
+    C one, but the C encoder holds the GIL for the whole call (0.3 s for 15 MB), which would stall the event loop
+    even from a worker thread; the Python one lets the loop run every switch interval.
+    """
+    return (_gil_friendly(_COMPACT, content) if big else _COMPACT.encode(content)).encode()
+
+
+def _gil_friendly(encoder: json.JSONEncoder, content: Any) -> str:
+    # the pure-Python encoder's pieces, handing the GIL over (sleep(0)) every few thousand: a thread waiting for
+    # it (the event loop) gets it at once instead of after a switch interval (5 ms) per acquisition
+    pieces = []
+    for k, piece in enumerate(encoder.iterencode(content)):
+        pieces.append(piece)
+        if k % 2048 == 0:
+            time.sleep(0)
+    return "".join(pieces)
+
+
+def sse_big(data: dict[str, Any]) -> str:
+    """`sse(data)` for a big event (an echoed prompt's logprobs), GIL-friendly as `json_bytes(big=True)`: for
+    `state.offload`."""
+    return f"data: {_gil_friendly(_SPACED, data)}\n\n"
+
+
 def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
     """An SSE response over `events` (already framed strings)."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -172,13 +240,34 @@ def engine_error(err: EngineDeadError | RequestFailedError) -> APIError:
     return APIError(400, str(err), param=err.param)
 
 
+BREATHE_S = 0.005
+"""Longest a request's delta loop runs on the event loop before it lets other tasks in (`_Breather`)."""
+
+
+class _Breather:
+    """Lets other tasks run once `BREATHE_S` passed since it last did: a request whose deltas are all queued
+    (a stream of 16 choices with 20 logprobs each, or its whole reply being collected) never suspends on its own,
+    since neither the delta queue nor a non-blocking send yields to the event loop."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    async def __call__(self) -> None:
+        if time.monotonic() - self.last > BREATHE_S:
+            await asyncio.sleep(0)
+            self.last = time.monotonic()
+
+
 async def deltas(request: Request, handle: RequestHandle) -> AsyncIterator[Delta]:
     """Iterate a request's deltas; the request is aborted if the client disconnects or the consumer stops. A
-    request the engine ended with an error raises its `engine_error` (an APIError)."""
+    request the engine ended with an error raises its `engine_error` (an APIError). Other tasks get the loop at
+    least every `BREATHE_S` seconds."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+    breathe = _Breather()
     try:
         async for delta in handle:
             yield delta
+            await breathe()
     except (EngineDeadError, RequestFailedError) as err:
         raise engine_error(err) from None
     finally:
@@ -228,6 +317,7 @@ async def merged_deltas(request: Request, handles: Sequence[RequestHandle], sour
 
     watcher = asyncio.create_task(_abort_all_on_disconnect(request, handles))
     pumps = [asyncio.create_task(pump(k, source)) for k, source in enumerate(sources)]
+    breathe = _Breather()
     try:
         left = len(pumps)
         while left:
@@ -238,6 +328,7 @@ async def merged_deltas(request: Request, handles: Sequence[RequestHandle], sour
                 raise item
             else:
                 yield k, item
+                await breathe()
     finally:
         watcher.cancel()
         for task in pumps:

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from astrai.inference.engine import EngineDeadError, RequestFailedError
@@ -195,12 +195,27 @@ def _openai_call(call: ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def chat_reply_parts(chat: ChatRequest) -> list[tuple[str, tuple[str, ...], int]]:
+    """The estimated bytes of a chat reply, per part and the fields that make it (`common.check_reply_size`)."""
+    p, n = chat.params, chat.params.n
+    parts = [("text: n x max_tokens tokens", ("n", "max_tokens"),
+              n * (p.max_tokens * common.BYTES_PER_TOKEN_TEXT + len(chat.echo.encode())))]  # fmt: skip
+    if p.wants_logprobs:
+        parts.append(("logprobs: n x max_tokens x (top_logprobs + 1) entries", ("n", "max_tokens", "top_logprobs"),
+                      n * p.max_tokens * (p.top_logprobs + 1) * common.BYTES_PER_CHAT_LOGPROB))  # fmt: skip
+    if chat.prompt_logprobs is not None:
+        parts.append(("prompt_logprobs: prompt tokens x (prompt_logprobs + 1) entries", ("prompt_logprobs",),
+                      len(chat.prompt) * (chat.prompt_logprobs + 1) * common.BYTES_PER_VLLM_LOGPROB))  # fmt: skip
+    return parts
+
+
 async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
     state.check_model(body)
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
                                defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
+    big = common.check_reply_size(state.max_reply_bytes, chat_reply_parts(chat)) > common.BIG_REPLY_BYTES
     await compile_grammar(state, chat.params)
     head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.model_name}
     scored = None if chat.prompt_logprobs is None else (await _score(state, [chat.prompt], chat.prompt_logprobs))[0]
@@ -211,6 +226,14 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         return common.stream_response(_chat_stream(state, request, handle, chat,
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
+    # built and encoded on the worker pool: logprobs of n long choices are tens of MB of JSON (seconds of CPU)
+    reply = await state.offload(_chat_reply, state, chat, head, completion, scored, big)
+    return Response(reply, media_type="application/json")
+
+
+def _chat_reply(state: ServerState, chat: ChatRequest, head: dict, completion: Completion,
+                scored: PromptLogprobs | None, big: bool) -> bytes:  # fmt: skip
+    """A finished chat request's whole reply, JSON-encoded (run on the worker pool: it may be big)."""
     texts, choices = TokenBytes(state.tokenizer, as_ids=chat.tokens_as_ids), []
     start = prompt_start(state.tokenizer, chat.prompt, constrained=no_free_text(chat))
     for out in completion.outputs:
@@ -234,7 +257,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     reply = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(completion)}
     if scored is not None:
         reply["prompt_logprobs"] = _vllm_prompt_logprobs(texts, scored, chat.prompt_logprobs)
-    return JSONResponse(reply)
+    return common.json_bytes(reply, big=big)
 
 
 # ---- legacy completions -------------------------------------------------------------------------------------
@@ -343,12 +366,35 @@ async def _completion_deltas(state: ServerState, request: Request, handles: list
         raise common.engine_error(err) from None
 
 
+def completion_reply_parts(req: CompletionRequest) -> list[tuple[str, tuple[str, ...], int]]:
+    """The estimated bytes of a completions reply (every prompt's n choices), per part and the fields that make it
+    (`common.check_reply_size`). Each choice repeats its prompt's echoed text and scores."""
+    n, k = req.n, req.logprobs or 0
+    made = [p.params.max_tokens if req.generate else 0 for p in req.prompts]
+    held = [len(p.ids) for p in req.prompts]
+    parts = [("text: prompts x n x (max_tokens tokens + echo)", ("n", "max_tokens", "prompt"),
+              n * sum(m * common.BYTES_PER_TOKEN_TEXT + len(p.echo.encode()) for m, p in zip(made, req.prompts,
+                                                                                           strict=True)))]  # fmt: skip
+    if req.logprobs is not None:
+        parts.append(("logprobs: prompts x n x max_tokens x (logprobs + 1) entries", ("n", "max_tokens", "logprobs"),
+                      n * sum(made) * (k + 1) * common.BYTES_PER_LEGACY_LOGPROB))  # fmt: skip
+    if req.prompt_logprobs:
+        parts.append(("echo: prompts x n x prompt tokens x (logprobs + 2) entries", ("echo", "logprobs", "n", "prompt"),
+                      n * sum(held) * (k + 2) * common.BYTES_PER_LEGACY_LOGPROB))  # fmt: skip
+    if req.prompt_top is not None:
+        parts.append(("prompt_logprobs: prompts x n x prompt tokens x (prompt_logprobs + 1) entries",
+                      ("prompt_logprobs", "n", "prompt"),
+                      n * sum(held) * (req.prompt_top + 1) * common.BYTES_PER_VLLM_LOGPROB))  # fmt: skip
+    return parts
+
+
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
     state.check_model(body)
     req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size,
                               context=state.context, defaults=state.sampling_defaults,
                               max_sequences=state.max_waiting)  # fmt: skip
+    big = common.check_reply_size(state.max_reply_bytes, completion_reply_parts(req)) > common.BIG_REPLY_BYTES
     if req.prompts:
         await compile_grammar(state, req.prompts[0].params)  # every prompt has the same grammar
     head = {"id": response_id(body, "cmpl"), "object": "text_completion", "created": int(time.time()),
@@ -359,10 +405,12 @@ async def _completions(state: ServerState, request: Request) -> Response:
             common.log_request(head["id"] + (f"[{k}]" if several else ""), request.url.path, prompt, p.params)
     scores = await _score_prompts(state, req)
     if not req.generate:
-        choices, usage = _echo_only(state, req, scores), _summed_usage([], sum(len(p.ids) for p in req.prompts))
+        choices = await state.offload(_echo_only, state, req, scores)  # the echoed logprobs may be big
+        usage = _summed_usage([], sum(len(p.ids) for p in req.prompts))
         if req.stream:
-            return common.stream_response(_echo_stream(head, choices, usage if req.include_usage else None))
-        return JSONResponse({**head, "choices": choices, "usage": usage})
+            return common.stream_response(_echo_stream(state, head, choices, usage if req.include_usage else None))
+        reply = await state.offload(common.json_bytes, {**head, "choices": choices, "usage": usage}, big=big)
+        return Response(reply, media_type="application/json")
     handles = common.submit_all(state.engine, [(p.ids, p.params) for p in req.prompts], busy_status=429)
     if req.stream:
         return common.stream_response(_completion_stream(state, request, handles, req, head, scores))
@@ -370,6 +418,14 @@ async def _completions(state: ServerState, request: Request) -> Response:
         pass
     if any(h.completion is None for h in handles):
         raise APIError(499, "the client closed the request")
+    # built and encoded on the worker pool: echoed and generated logprobs of a list of prompts are tens of MB
+    reply = await state.offload(_completion_reply, state, req, head, handles, scores, big)
+    return Response(reply, media_type="application/json")
+
+
+def _completion_reply(state: ServerState, req: CompletionRequest, head: dict, handles: list[RequestHandle],
+                      scores: list[PromptLogprobs] | None, big: bool) -> bytes:  # fmt: skip
+    """A finished completions request's whole reply, JSON-encoded (run on the worker pool: it may be big)."""
     texts, choices = TokenBytes(state.tokenizer, as_ids=req.tokens_as_ids), []
     for k, (h, prompt) in enumerate(zip(handles, req.prompts, strict=True)):
         for o in h.completion.outputs:
@@ -383,14 +439,16 @@ async def _completions(state: ServerState, request: Request) -> Response:
                             "finish_reason": reason, **_stop_reason(o.stop_reason),
                             **_vllm_prompt_part(texts, scores, k, req)})  # fmt: skip
     usage = _summed_usage([h.completion for h in handles])
-    return JSONResponse({**head, "choices": choices, "usage": usage})
+    return common.json_bytes({**head, "choices": choices, "usage": usage}, big=big)
 
 
-async def _echo_stream(head: dict, choices: list[dict], usage: dict | None) -> AsyncIterator[str]:
-    """A `max_tokens: 0` request as a stream: one chunk per choice, the usage chunk when asked, `[DONE]`."""
+async def _echo_stream(state: ServerState, head: dict, choices: list[dict], usage: dict | None
+                       ) -> AsyncIterator[str]:  # fmt: skip
+    """A `max_tokens: 0` request as a stream: one chunk per choice (encoded on the worker pool: a choice holds its
+    prompt's logprobs), the usage chunk when asked, `[DONE]`."""
     tail = {"usage": None} if usage is not None else {}
     for choice in choices:
-        yield sse({**head, "choices": [choice], **tail})
+        yield await state.offload(common.sse_big, {**head, "choices": [choice], **tail})
     if usage is not None:
         yield sse({**head, "choices": [], "usage": usage})
     yield sse("[DONE]")
@@ -411,14 +469,15 @@ async def _completion_stream(state: ServerState, request: Request, handles: list
             if d.logprobs is not None and d.token_ids:
                 lp = _legacy_logprobs(texts, d.token_ids, d.logprobs, d.top_logprobs, offset)
             if first and scores:  # the echoed prompt's logprobs go with its text, in the choice's first chunk
-                prompt_part = _prompt_part(texts, scores[k], req.logprobs)
+                prompt_part = await state.offload(_prompt_part, texts, scores[k], req.logprobs)  # maybe MBs
                 lp = _with_prompt(prompt_part, lp, req.prompts[k].echo)
                 offset = sum(len(t) for t in prompt_part["tokens"])  # later offsets count from the prompt's tokens
             offsets[index] = offset + len(d.text)
             finish = _finish(d.finish_reason, False) if d.finish_reason else None
             choice = {"index": index, "text": piece, "logprobs": lp, "finish_reason": finish,
                       **_stop_reason(d.stop_reason, finish is not None)}  # fmt: skip
-            yield sse({**head, "choices": [choice], **tail})
+            chunk = {**head, "choices": [choice], **tail}
+            yield await state.offload(common.sse_big, chunk) if first and scores else sse(chunk)
     except APIError as err:
         yield _error_event(err)
         return

@@ -38,6 +38,10 @@ class ServerState:
     api_key: str | None = None
     metrics_public: bool = False  # True: GET /metrics needs no API key even when one is set
     max_body_bytes: int = 8 << 20
+    # largest reply a request may ask for, as estimated before generation (`common.check_reply_size`); None: any
+    max_reply_bytes: int | None = 32 << 20
+    # seconds a stream's send may stay blocked (its client stopped reading) before its request is aborted
+    stream_stall_timeout: float | None = 30.0
     embeddings: EncoderConfig | None = None  # None: /v1/embeddings answers 404
     tokenizer_workers: int = 4  # requests rendering chat templates / tokenizing at once, each on a worker thread
     allow_special_tokens_in_content: bool = False  # True: special-token text in chat messages is control tokens
