@@ -23,7 +23,8 @@ LLM server's throughput.
 
 `with_cors` puts Starlette's CORS middleware in front of the app (outside the guard, so that a browser's preflight
 `OPTIONS`, which carries no API key, is answered); `logging_config` routes astrai's loggers through uvicorn's
-handlers at one level.
+handlers at one level. uvicorn's access log prints each request's path with its query string: `QueryRedactor`
+(installed by `server_config`) replaces the values of credential-like parameters (`?api_key=...`) there.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import http
 import logging
 import re
 import signal
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -211,12 +213,51 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+_SECRET_NAME = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature|session|^sig$|^code$", re.I)
+
+
+def redact_query(path: str) -> str:
+    """`path` with the value of every query parameter whose name looks like a credential (api_key, key, token,
+    access_token, secret, password, auth, signature, ...: matched on the percent-decoded name) replaced by
+    `<redacted>`; other parameters, and their order and spelling, stay as sent."""
+    base, mark, query = path.partition("?")
+    if not mark:
+        return path
+    parts = []
+    for part in query.split("&"):
+        name, eq, value = part.partition("=")
+        secret = eq and value and _SECRET_NAME.search(urllib.parse.unquote_plus(name))
+        parts.append(f"{name}=<redacted>" if secret else part)
+    return f"{base}?{'&'.join(parts)}"
+
+
+class QueryRedactor(logging.Filter):
+    """A filter for uvicorn's access log: redacts credentials in the query string of the logged path
+    (`redact_query`), so a client that sends its API key as `?api_key=...` does not put the key in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, str) and "?" in a for a in record.args):
+            record.args = tuple(redact_query(a) if isinstance(a, str) and "?" in a else a for a in record.args)
+        return True
+
+
+def install_query_redactor() -> None:
+    """Put a `QueryRedactor` on the `uvicorn.access` logger (once): logger-level, so it holds whatever handlers
+    a log config gives that logger."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QueryRedactor) for f in access.filters):
+        access.addFilter(QueryRedactor())
+
+
 def server_config(app: ASGIApp, limits: ConnectionLimits | None = None, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn.Config serving `app` through `GuardedH11Protocol` with `limits`; `kwargs` go to uvicorn.Config."""
+    """A uvicorn.Config serving `app` through `GuardedH11Protocol` with `limits`; `kwargs` go to uvicorn.Config.
+    The access log redacts credentials in query strings (`QueryRedactor`)."""
     limits = limits or ConnectionLimits()
     protocol = functools.partial(GuardedH11Protocol, limits=limits)
-    return uvicorn.Config(app, http=protocol, timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
-                          h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)  # fmt: skip
+    config = uvicorn.Config(app, http=protocol, timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
+                            h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)  # fmt: skip
+    install_query_redactor()  # after the Config: it applied its log config
+    return config
 
 
 def with_cors(app: ASGIApp, origins: Sequence[str], *, methods: Sequence[str] = ("*",),

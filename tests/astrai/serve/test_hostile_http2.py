@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -24,7 +25,7 @@ import astrai
 from astrai.inference.engine import Engine, EngineConfig
 from astrai.serve import server as server_module
 from astrai.serve.app import build_app
-from astrai.serve.server import ConnectionLimits, GracefulServer, scan_head, server_config
+from astrai.serve.server import ConnectionLimits, GracefulServer, redact_query, scan_head, server_config
 from helpers import tiny_model_dir
 
 KEY = "k-secret"
@@ -345,3 +346,47 @@ def test_connections_waiting_past_the_cap_are_bounded(guarded, monkeypatch):
         for sock in held + waiting:
             sock.close()
     time.sleep(0.3)
+
+
+# ---- item 8a: API keys in the query string stay out of the access log ----------------------------------------------
+
+
+def test_redact_query_hides_credential_values_only():
+    assert redact_query("/v1/models") == "/v1/models"
+    assert redact_query("/v1/models?limit=5&api_key=SECRET&key=S2&x-api-key=S3&access_token=S4&Authorization=S5"
+                        "&api%5Fkey=S6&order=asc") == ("/v1/models?limit=5&api_key=<redacted>&key=<redacted>"
+                        "&x-api-key=<redacted>&access_token=<redacted>&Authorization=<redacted>&api%5Fkey=<redacted>"
+                        "&order=asc")  # fmt: skip
+    assert redact_query("/p?api_key=&flag&monkey=") == "/p?api_key=&flag&monkey="  # nothing to hide
+
+
+@pytest.fixture
+def access_log():
+    """The messages the access log formats while the test runs (at INFO, whatever the server's level)."""
+    logger, lines = logging.getLogger("uvicorn.access"), []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, level = Capture(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_api_key_in_the_query_string_is_redacted_in_the_access_log(guarded, access_log):
+    # the attack (on the operator): a client sends its key in the URL, where access logs keep it
+    query = f"limit=5&api_key={KEY}&token=tok-123&model=m"
+    with httpx.Client(timeout=10) as client:
+        reply = client.get(f"http://127.0.0.1:{guarded}/v1/models?{query}", headers={"x-api-key": KEY})
+    assert reply.status_code == 200
+    deadline = time.monotonic() + 5
+    while not any("/v1/models" in line for line in access_log) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [line] = [line for line in access_log if "/v1/models" in line]
+    assert KEY not in line and "tok-123" not in line, line
+    # positive control: the rest of the line is uvicorn's, with the other parameters as sent
+    assert '"GET /v1/models?limit=5&api_key=<redacted>&token=<redacted>&model=m HTTP/1.1" 200' in line, line
