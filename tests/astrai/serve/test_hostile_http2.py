@@ -271,6 +271,7 @@ def post_head(path: str, extra: str = "", *, auth: str = AUTH, host: str = "127.
 
 
 JSON = "Content-Type: application/json\r\n"
+CLOSE = "Connection: close\r\n"
 GUARD_ATTACKS = {  # status: the request (each refused by app.Guard before any route runs)
     400: lambda p: post_head(p, JSON + "Content-Length: 2\r\n\r\n{}", host="evil.example"),  # DNS rebinding
     401: lambda p: post_head(p, JSON + "Content-Length: 2\r\n\r\n{}", auth=""),
@@ -321,7 +322,8 @@ def test_connection_cap_503_uses_the_paths_shape(guarded):
             sock.close()
     time.sleep(0.3)
     # positive control: under the cap, the same request is served (a 400 from the route: the body is not a request)
-    [(status, body)] = answers(exchange(guarded, post_head("/v1/messages", JSON + "Content-Length: 2\r\n\r\n{}"))[0])
+    request = post_head("/v1/messages", JSON + CLOSE + "Content-Length: 2\r\n\r\n{}")
+    [(status, body)] = answers(exchange(guarded, request)[0])
     assert status == 400 and shape(body) == "anthropic"
 
 
