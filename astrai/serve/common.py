@@ -202,10 +202,54 @@ def sse_big(data: dict[str, Any]) -> str:
     return f"data: {_gil_friendly(_SPACED, data)}\n\n"
 
 
+DEFAULT_STREAM_STALL_TIMEOUT = 30.0
+"""Seconds a stream's send may stay blocked before its request is aborted (`--stream-stall-timeout`)."""
+
+
+class _Stalled(Exception):
+    """A stream's send stayed blocked past its stall timeout: the client stopped reading."""
+
+
+class _StallGuardedStream(StreamingResponse):
+    """A StreamingResponse whose request is aborted when its client stops reading.
+
+    uvicorn's `send` waits (flow control) while the connection's write buffer is full, that is while the client
+    reads nothing; the body iterator then stays suspended and the engine keeps generating into the request's delta
+    queue, holding its decode slot and KV. When one send stays blocked for the server's `stream_stall_timeout`
+    (`ServerState`, read through `scope["app"].state.server`; None: wait forever), the body iterator is closed,
+    which aborts the request (`deltas`' cleanup frees its KV), and the response ends unfinished: uvicorn closes the
+    connection (logging "ASGI callable returned without completing response").
+    """
+
+    stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        state = getattr(getattr(scope.get("app"), "state", None), "server", None)
+        self.stall_timeout = getattr(state, "stream_stall_timeout", DEFAULT_STREAM_STALL_TIMEOUT)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        timeout = self.stall_timeout
+
+        async def bounded_send(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await super().stream_response(send if timeout is None else bounded_send)
+        except _Stalled:
+            logger.warning("a stream's client read nothing for %s s: its request is aborted", timeout)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # aborts the request, frees its KV
+
+
 def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
-    """An SSE response over `events` (already framed strings)."""
+    """An SSE response over `events` (already framed strings), aborted when its client stops reading for the
+    server's `stream_stall_timeout` (`_StallGuardedStream`)."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return _StallGuardedStream(events, media_type="text/event-stream", headers=headers)
 
 
 def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, busy_status: int) -> RequestHandle:
