@@ -126,6 +126,11 @@ class ServeConfig(ModelArgs):
     first (0: keep none)."""
     responses_store_max_bytes: int = 64 << 20
     """Most bytes (JSON size, responses and their conversations) the /v1/responses store keeps."""
+    max_reply_bytes: int = 32 << 20
+    """Largest reply a request may ask for, estimated before generation from n, max_tokens, logprobs, echo and
+    prompt_logprobs (a bigger one is a 400 naming them); 0: no limit."""
+    stream_stall_timeout: float = 30.0
+    """Seconds a stream may wait on a client that stopped reading before its request is aborted; 0: never."""
     embeddings: bool = False
     """Also serve POST /v1/embeddings: the model's blocks run bidirectionally, pooled per input."""
     embed_pooling: Literal["mean", "cls", "last"] = "mean"
@@ -292,7 +297,9 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                     model_aliases=names[1:], responses_max_stored=cfg.responses_store_max_entries,
                     responses_max_stored_bytes=cfg.responses_store_max_bytes,
                     max_embedding_tokens_per_request=cfg.max_embedding_tokens_per_request,
-                    max_embedding_batch_tokens=cfg.max_embedding_batch_tokens)  # fmt: skip
+                    max_embedding_batch_tokens=cfg.max_embedding_batch_tokens,
+                    max_reply_bytes=cfg.max_reply_bytes or None,
+                    stream_stall_timeout=cfg.stream_stall_timeout or None)  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

@@ -238,7 +238,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
               responses_max_stored: int = responses_api.DEFAULT_MAX_STORED,
               responses_max_stored_bytes: int = responses_api.DEFAULT_MAX_STORED_BYTES,
               max_embedding_tokens_per_request: int = embeddings_api.MAX_REQUEST_TOKENS,
-              max_embedding_batch_tokens: int | None = None) -> ASGIApp:  # fmt: skip
+              max_embedding_batch_tokens: int | None = None, max_reply_bytes: int | None = 32 << 20,
+              stream_stall_timeout: float | None = 30.0) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder), run on
@@ -259,13 +260,17 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
     answer (OpenAI `reasoning_content`, Anthropic `thinking` blocks); None: the text stays as generated.
     A request's `model` must be `model_name` or one of `model_aliases` (or absent): any other is a 404
     `model_not_found`. `responses_max_stored` / `responses_max_stored_bytes` bound the `/v1/responses` store.
+    `max_reply_bytes` bounds a reply's size as estimated before generation (n, max_tokens, logprobs, echo,
+    prompt_logprobs; over it: a 400 naming them; None: no bound); `stream_stall_timeout` aborts a stream whose
+    client stopped reading for that many seconds (`common.stream_response`; None: never).
 
     Raises:
         ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type;
             `tool_call_parser` or `reasoning_parser` is not a parser's name.
     """
     state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(model_aliases), api_key=api_key,
-                        max_body_bytes=max_body_bytes,
+                        max_body_bytes=max_body_bytes, max_reply_bytes=max_reply_bytes,
+                        stream_stall_timeout=stream_stall_timeout,
                         embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,
                         allow_special_tokens_in_content=allow_special_tokens_in_content,
                         sampling_defaults=sampling_defaults or {}, log_requests=log_requests,

@@ -185,3 +185,12 @@ def test_reply_bytes_are_the_json_of_the_reply(server):
     r = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 3, "logprobs": True})
     assert r.headers["content-type"] == "application/json"
     assert r.content == json.dumps(r.json(), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def test_build_app_sets_the_limits(server):
+    from astrai.serve.app import build_app
+
+    app = build_app(server.engine, model_name=MODEL_NAME, max_reply_bytes=1234, stream_stall_timeout=2.5)
+    assert (app.state.max_reply_bytes, app.state.stream_stall_timeout) == (1234, 2.5)
+    default = build_app(server.engine, model_name=MODEL_NAME).state
+    assert (default.max_reply_bytes, default.stream_stall_timeout) == (common.DEFAULT_MAX_REPLY_BYTES, 30.0)
