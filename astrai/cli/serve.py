@@ -11,6 +11,7 @@ stay as aliases (`--max-running` for `--max-num-seqs`, `--max-step-tokens` for `
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import socket
@@ -308,6 +309,11 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                               max_connections=cfg.max_connections)  # fmt: skip
     config = server_config(app, limits, host=cfg.host, port=port, timeout_graceful_shutdown=cfg.graceful_timeout,
                            log_level=cfg.log_level, log_config=logging_config(cfg.log_level))  # fmt: skip
+    # model, tokenizer and libraries are loaded: take their objects out of the cyclic GC's reach, so that a full
+    # collection (which a big reply's many small objects trigger) scans what requests allocate, not the whole heap:
+    # it stops every thread, the event loop included (docs/serving.md, "Big replies")
+    gc.collect()
+    gc.freeze()
     GracefulServer(config, engine).run(sockets=[sock])
     if engine.fatal is not None:
         fail(f"the server stopped: {engine.fatal}")
