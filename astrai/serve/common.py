@@ -10,6 +10,10 @@ escape (`"\\ud800"`) is a 400. Anything else a handler raises is a bug: it is lo
 `astrai.serve` logger under a request id, and the client gets a 500 (or, mid-stream, an error event) that
 carries only that id, never the exception text. No log line holds a prompt or the API key; `log_request` (called
 only when the server logs requests, a debugging aid) shows a prompt's first `PROMPT_LOG_CHARS` characters.
+
+A reply's size is bounded before generation (`check_reply_size`, the server's `max_reply_bytes`); a big one is
+encoded off the loop (`json_bytes`, `sse_big`); a stream whose client stops reading is aborted after the server's
+`stream_stall_timeout` (`stream_response`).
 """
 
 from __future__ import annotations

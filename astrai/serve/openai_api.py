@@ -30,6 +30,12 @@ JSON; one line per prompt of a list) and SamplingParams are logged at INFO; othe
 chunked causal forward per prompt, outside the engine's KV pool); each choice's legacy `logprobs` then start with
 the prompt's tokens (`null` first; each position's `top_logprobs` hold its alternatives and the prompt token, as
 vLLM's do), followed by the generated ones. `max_tokens: 0` with echo only echoes (and scores).
+
+Big replies: before anything is scored or submitted, the reply's size is estimated from n, max_tokens, the
+logprob counts, echo and prompt_logprobs (`chat_reply_parts`, `completion_reply_parts`); over the server's
+`max_reply_bytes` it is a 400 naming those fields (`common.check_reply_size`). A whole reply is built and
+JSON-encoded on the worker pool (`_chat_reply`, `_completion_reply`), as is a stream's chunk with an echoed
+prompt's logprobs, so that tens of MB of logprobs never stall the event loop.
 """
 
 from __future__ import annotations
