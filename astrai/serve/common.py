@@ -206,6 +206,9 @@ def sse_big(data: dict[str, Any]) -> str:
     return f"data: {_gil_friendly(_SPACED, data)}\n\n"
 
 
+ABORT_CONNECTION = "astrai.abort_connection"
+"""The ASGI scope extension (`astrai.serve.server`'s protocol sets it) that drops the connection at once."""
+
 DEFAULT_STREAM_STALL_TIMEOUT = 30.0
 """Seconds a stream's send may stay blocked before its request is aborted (`--stream-stall-timeout`)."""
 
@@ -221,13 +224,17 @@ class _StallGuardedStream(StreamingResponse):
     reads nothing; the body iterator then stays suspended and the engine keeps generating into the request's delta
     queue, holding its decode slot and KV. When one send stays blocked for the server's `stream_stall_timeout`
     (`ServerState`, read through `scope["app"].state.server`; None: wait forever), the body iterator is closed,
-    which aborts the request (`deltas`' cleanup frees its KV), and the response ends unfinished: uvicorn closes the
-    connection (logging "ASGI callable returned without completing response").
+    which aborts the request (`deltas`' cleanup frees its KV), and the connection is dropped at once, its unsent
+    buffer discarded (`astrai.serve.server`'s protocol offers the transport's abort as the scope extension
+    `ABORT_CONNECTION`; under another server the response ends unfinished and uvicorn closes the connection once
+    the buffer drains, logging "ASGI callable returned without completing response").
     """
 
     stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT
+    _abort_connection: Callable[[], None] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._abort_connection = scope.get("extensions", {}).get(ABORT_CONNECTION)
         state = getattr(getattr(scope.get("app"), "state", None), "server", None)
         self.stall_timeout = getattr(state, "stream_stall_timeout", DEFAULT_STREAM_STALL_TIMEOUT)
         await super().__call__(scope, receive, send)
@@ -247,6 +254,9 @@ class _StallGuardedStream(StreamingResponse):
         except _Stalled:
             logger.warning("a stream's client read nothing for %s s: its request is aborted", timeout)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]  # aborts the request, frees its KV
+            if self._abort_connection is not None:
+                self._abort_connection()
+                await asyncio.sleep(0)  # uvicorn sees the connection lost: the unfinished response is not an error
 
 
 def stream_response(events: AsyncIterator[str]) -> StreamingResponse:

@@ -49,7 +49,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from astrai.inference.engine import Engine
-from astrai.serve.common import APIError, anthropic_error, openai_error
+from astrai.serve.common import ABORT_CONNECTION, APIError, anthropic_error, openai_error
 
 ABORT_AT = 0.8  # share of the graceful timeout after which unfinished generations are ended
 OVER_CAP_WAIT_S = 0.25  # a connection over the cap waits this long for its request line (the 503's error shape)
@@ -153,6 +153,8 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # the head is in (or the connection failed): the timer is done
             self._disarm_head_timer()
+        if getattr(self, "scope", None) is not None:  # lets a stalled stream drop its connection at once, unflushed
+            self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
 
     def _head_acceptable(self) -> bool:
         """False (the connection answered and closed) for a head over the limit or framed by both Content-Length

@@ -58,14 +58,18 @@ def _wait_until_idle(server, seconds: float) -> float | None:
 def _stalled_client(server) -> socket.socket:
     """A connection that sent the stream request, saw it start generating, and from then on reads nothing."""
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's send blocks soon
-    sock.settimeout(10)
-    sock.connect(("127.0.0.1", server.port))
-    sock.sendall(_request(server))
-    t0 = time.monotonic()
-    while server.engine.stats().running == 0 and time.monotonic() - t0 < 5:
-        time.sleep(0.01)
-    assert server.engine.stats().running == BODY["n"]
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's send blocks soon
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(_request(server))
+        t0 = time.monotonic()
+        while server.engine.stats().running < BODY["n"] and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert server.engine.stats().running == BODY["n"]
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -103,3 +107,49 @@ def test_no_timeout_waits_for_the_reader(paced, monkeypatch):
     with _stalled_client(paced):
         assert _wait_until_idle(paced, 4 * TIMEOUT_S) is None  # still generating (or held) after 4 timeouts
     # closing the socket is a disconnect, which aborts it (the conftest's wait_idle checks the server is idle)
+
+
+def test_astrai_servers_drop_the_stalled_connection_at_once(paced):
+    """Under `astrai serve`'s protocol (`server.server_config`) the stalled connection is dropped unflushed (the
+    transport's abort): the client, reading again, gets less than was generated and a reset or EOF, and uvicorn
+    logs no "returned without completing response" error."""
+    import logging
+    import threading
+
+    import uvicorn
+
+    from astrai.serve.server import ConnectionLimits, server_config
+
+    app = paced.app  # the same app and engine, behind astrai's own protocol on another port
+    config = server_config(app, ConnectionLimits(), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    errors: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: errors.append(record.getMessage()) if record.levelno >= logging.ERROR else None
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        other = type(paced).__new__(type(paced))
+        other.__dict__.update(paced.__dict__, port=uv.servers[0].sockets[0].getsockname()[1])
+        with _stalled_client(other) as sock:
+            idle = _wait_until_idle(paced, 10)
+            assert idle is not None and idle < 1000 * STEP_S, idle
+            received, closed = b"", False
+            try:
+                while chunk := sock.recv(1 << 16):
+                    received += chunk
+                closed = True
+            except ConnectionResetError:
+                closed = True
+            assert closed and b"[DONE]" not in received
+        time.sleep(0.1)
+        assert not [e for e in errors if "without completing" in e], errors
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        uv.should_exit = True
+        thread.join(timeout=20)
