@@ -58,6 +58,9 @@ class ModelArgs:
     tensor_parallel_size: Annotated[int, tyro.conf.arg(aliases=("-tp",))] = 1
     """Split the model over N rank processes (heads, MLP columns, experts, vocab): rank r on cuda:r when there
     are N GPUs, else all on the CPU. The checkpoint is read once, on the CPU, and sharded."""
+    allow_outside_model_files: bool = False
+    """Read model files (config, shards, tokenizer, chat template) that symlinks or `../` place outside the
+    model folder; off: such a folder is refused (a Hugging Face cache snapshot's links always load)."""
 
 
 def model_flag_to_positional(args: Sequence[str]) -> list[str]:
@@ -153,7 +156,8 @@ def load_model(args: ModelArgs) -> Model:
     else:
         console.print(f"device: {chosen}" + (" (auto)" if args.device == "auto" else ""), highlight=False)
     model = run_guarded(lambda: load(args.model, dtype=dtype_name(args.dtype), device=chosen, revision=args.revision,
-                                     quantize=args.quantize))  # fmt: skip
+                                     quantize=args.quantize,
+                                     allow_outside_files=args.allow_outside_model_files))  # fmt: skip
     if model.quantization is not None:
         console.print(f"weights: {model.quantization} weight-only, {model.nbytes / 2**20:.1f} MiB", highlight=False)
     if template is not None:

@@ -434,3 +434,5 @@ def _read_template(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: a chat template must be UTF-8 text ({e})") from None
+    except OSError as e:  # permissions, a directory
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None

@@ -51,6 +51,10 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:  # json's recursive parser on `[[[[...` thousands deep
+        raise CheckpointError(f"{path}: JSON nested too deeply") from None
+    except OSError as err:  # permissions, a directory, a dangling link
+        raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

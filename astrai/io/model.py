@@ -7,6 +7,7 @@ pass around in notebooks and CLIs.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from astrai.io.checkpoint import (
     write_json,
 )
 from astrai.io.hub import resolve_model
+from astrai.io.model_files import check_model_files
 from astrai.io.tokenizer import Tokenizer
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, check_params
@@ -218,7 +220,8 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
-         revision: str | None = None, quantize: str | None = None) -> Model:  # fmt: skip
+         revision: str | None = None, quantize: str | None = None,
+         allow_outside_files: bool = False) -> Model:  # fmt: skip
     """Load a HF-format folder (config.json + safetensors [+ tokenizer files]), or a model id from the HF cache.
 
     Args:
@@ -231,6 +234,8 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
         revision: branch, tag or commit of a model id (default `main`).
         quantize: `"int8"`: int8 weight-only quantization of the projections, embedding and LM head, one scale
             per output row (`astrai.models.quantize`); activations and the KV cache stay in `dtype`.
+        allow_outside_files: read files that resolve outside the folder (symlinks, `../` shards); off by default
+            (`astrai.io.model_files`); a Hugging Face cache snapshot's links into its repo's blobs are always fine.
 
     Raises:
         CheckpointError: the folder is missing, unsupported, incomplete or corrupt (the message says which):
@@ -244,6 +249,7 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
     check_quantize(quantize)
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before reading anything
     folder = resolve_model(path, revision)
+    check_model_files(folder, allow_outside_files)
     cfg = read_config(folder)
     defaults = read_generation_defaults(folder)
     params = load_params(folder, cfg, dtype=dtype, device=device)
@@ -251,7 +257,8 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: torch
         params = quantize_params(params, quantize)
     if dtype is not None:
         cfg = attrs.evolve(cfg, dtype=next(name for name, d in DTYPES.items() if d == dtype))
-    tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
+    # lexists: a dangling or unreadable tokenizer.json is an error (from_dir says which), not a model without one
+    tokenizer = Tokenizer.from_dir(folder) if os.path.lexists(folder / "tokenizer.json") else None
     eos = _check_eos_ids(folder, _eos_ids(folder, cfg, tokenizer), cfg.vocab_size)
     return Model(config=cfg, params=params, tokenizer=tokenizer, eos_token_ids=eos, generation_defaults=defaults)
 

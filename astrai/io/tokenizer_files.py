@@ -23,6 +23,10 @@ def read_side_json(path: Path) -> dict[str, Any]:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    except RecursionError:  # json's recursive parser on `[[[[...` thousands deep
+        raise CheckpointError(f"{path}: JSON nested too deeply") from None
+    except OSError as e:  # permissions, a directory
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
