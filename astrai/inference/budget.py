@@ -3,6 +3,7 @@ arithmetic."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,8 @@ from astrai.models.config import ModelConfig
 if TYPE_CHECKING:
     from astrai.inference.engine_config import EngineConfig
     from astrai.io.model import Model
+
+logger = logging.getLogger(__name__)
 
 ACTIVATION_FIXED_BYTES = 512 << 20
 """Part of the activation headroom that does not scale with the model: the CUDA context, cuBLAS workspaces,
@@ -77,3 +80,19 @@ def kv_pool_pages(cfg: EngineConfig, model: Model, device: torch.device, per_tok
             budget = cfg.kv_budget_bytes
         tokens = min(budget // per_token, cfg.max_running * max_model_len)
     return max(2, tokens // cfg.page_size + 1)  # + the null page
+
+
+def pool_max_model_len(max_model_len: int, num_pages: int, page_size: int, *, explicit: bool) -> int:
+    """The context length the engine enforces: `max_model_len`, capped by what the KV pool holds when it was not set
+    explicitly (it came from config.json's `max_position_embeddings`).
+
+    A checkpoint may claim any context (10**12): no sequence can outgrow the pool's usable pages, so a longer limit
+    only lets requests in that wait for pages forever. Nothing is sized by the claimed length (the pool by the
+    budget, rotary angles from positions), so capping the number is all it takes; a warning says so.
+    """
+    capacity = (num_pages - 1) * page_size  # less the null page
+    if explicit or max_model_len <= capacity:
+        return max_model_len
+    msg = "max_position_embeddings %d exceeds the KV pool's %d tokens; capping the context length at %d"
+    logger.warning(msg + " (set --max-model-len, or give the KV cache more memory)", max_model_len, capacity, capacity)
+    return capacity

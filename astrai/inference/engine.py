@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import attrs
 
-from astrai.inference.budget import kv_pool_pages
+from astrai.inference.budget import kv_pool_pages, pool_max_model_len
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.engine_config import EngineConfig, EngineStats
@@ -76,6 +76,8 @@ class Engine:
         self._fuse = should_fuse(model, cfg.fuse_projections, tensor_parallel=tp_size > 1)
         self._fuse, self._served = verify_fast_paths(model, served_model(model, self._fuse), cfg)
         num_pages = kv_pool_pages(cfg, model, device, kv_bytes_per_token(kv_cfg, model.dtype), self.max_model_len)
+        self.max_model_len = pool_max_model_len(self.max_model_len, num_pages, cfg.page_size,
+                                                explicit=cfg.max_model_len is not None)  # fmt: skip
         self.pool = PagePool(num_pages, cfg.page_size)
         self.radix = RadixCache(self.pool) if cfg.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,

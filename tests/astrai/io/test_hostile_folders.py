@@ -146,3 +146,24 @@ def test_deeply_nested_json_is_a_clean_error(folder, name, capsys):
     with pytest.raises(CheckpointError, match=name):
         astrai.load(folder)
     assert name in _serve_fails(folder, capsys)
+
+
+def test_absurd_max_position_embeddings_is_capped_by_the_kv_pool(tmp_path, caplog):
+    """config.json claiming 10**12 positions: the engine starts at once, allocates by its KV budget, warns, and
+    enforces the pool's capacity; an ordinary context (the control) and an explicit --max-model-len are kept."""
+    import resource
+
+    from astrai.inference.engine import Engine
+    from astrai.inference.engine_config import EngineConfig
+
+    model = astrai.load(tiny_model_dir(tmp_path / "huge", max_position_embeddings=10**12))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with caplog.at_level("WARNING", logger="astrai.inference.budget"):
+        engine = Engine(model, EngineConfig(max_running=4, compile=False, kv_budget_bytes=1 << 20))
+    capacity = (engine.pool.num_pages - 1) * engine.config.page_size
+    assert engine.max_model_len == capacity < 10**6 and "capping the context length" in caplog.text
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 200 << 10  # KiB: nothing sized by 10**12
+    engine = Engine(model, EngineConfig(max_running=4, compile=False, kv_budget_bytes=1 << 20, max_model_len=100))
+    assert engine.max_model_len == 100
+    normal = astrai.load(tiny_model_dir(tmp_path / "normal", max_position_embeddings=64))
+    assert Engine(normal, EngineConfig(max_running=4, compile=False, kv_budget_bytes=1 << 20)).max_model_len == 64
