@@ -97,10 +97,13 @@ def test_model_id_revision_and_dtype_reach_load_unchanged(monkeypatch):
     args = parse(GenerateConfig, ["Qwen/Qwen3-0.6B", "--revision", "abc", "--dtype", "half", "--prompt", "x",
                                   "--device", "cpu"])  # fmt: skip
     assert load_model(args) is loaded
-    assert calls == [("Qwen/Qwen3-0.6B", {"dtype": "float16", "device": "cpu", "revision": "abc", "quantize": None})]
+    assert calls == [("Qwen/Qwen3-0.6B", {"dtype": "float16", "device": "cpu", "revision": "abc", "quantize": None,
+                                          "allow_outside_files": False})]
     for flag in ("--quantize", "--quantization", "-q"):  # ours, and vLLM's spellings
         load_model(parse(GenerateConfig, ["m", "--prompt", "x", "--device", "cpu", flag, "int8"]))
         assert calls[-1][1]["quantize"] == "int8"
+    load_model(parse(GenerateConfig, ["m", "--prompt", "x", "--device", "cpu", "--allow-outside-model-files"]))
+    assert calls[-1][1]["allow_outside_files"] is True
 
 
 def test_chat_template_file_or_inline_replaces_the_tokenizers(model_dir, tmp_path, capsys):
