@@ -229,8 +229,8 @@ def _check_context(prompt_len: int, max_tokens: int, context: int) -> None:
 def routes(state: ServerState) -> list[Route]:
     """The Anthropic routes over a `ServerState`."""
 
-    async def prompt_ids(req: MessagesRequest) -> list[int]:  # rendered and tokenized off the event loop
-        return await state.offload(render_prompt, state.tokenizer, req,
+    async def prompt_ids(req: MessagesRequest, generate: bool = True) -> list[int]:  # rendered, tokenized off the loop
+        return await state.offload(render_prompt, state.tokenizer, req, context=state.context, generate=generate,
                                    allow_special_tokens=state.allow_special_tokens_in_content)  # fmt: skip
 
     async def checked_body(request: Request) -> dict:
@@ -274,7 +274,7 @@ def routes(state: ServerState) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         req = parse_request(await checked_body(request), count_only=True)
-        return JSONResponse({"input_tokens": len(await prompt_ids(req))})
+        return JSONResponse({"input_tokens": len(await prompt_ids(req, generate=False))})
 
     return [Route("/v1/messages", route(anthropic_error, messages), methods=["POST"]),
             Route("/v1/messages/count_tokens", route(anthropic_error, count_tokens), methods=["POST"])]  # fmt: skip

@@ -43,6 +43,7 @@ import attrs
 
 from astrai.inference.params import SamplingParams
 from astrai.serve.common import APIError
+from astrai.serve.input_bounds import could_exceed, string_chars, tokens_over, user_texts
 from astrai.serve.tool_grammars import tool_call_grammar
 from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_names
 
@@ -320,21 +321,39 @@ def _thinking(value: Any, max_tokens: int, count_only: bool) -> bool | None:
     return True
 
 
-def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_special_tokens: bool = False
-                  ) -> list[int]:  # fmt: skip
+def render_prompt(tokenizer: Tokenizer | None, req: MessagesRequest, *, allow_special_tokens: bool = False,
+                  context: int | None = None, generate: bool = True) -> list[int]:  # fmt: skip
     """Prompt token ids: the rendered conversation, then the assistant pre-fill.
 
     Special-token text in the client's strings (pre-fill included) is encoded as plain text unless
     `allow_special_tokens` (see `Tokenizer.encode_chat`). Seconds for a huge body: handlers run it off the loop.
+    With a `context`, a conversation the character bound (`input_bounds`) shows cannot fit is refused, in
+    Anthropic's "prompt is too long" wording, before it is tokenized (its user turns and pre-fill before
+    rendering; the rendered text when the body's strings as a whole could be too long).
     """
     if tokenizer is None:
         raise APIError(400, "the served model has no tokenizer, so it cannot take chat messages")
     try:
         extra = {} if req.thinking is None else {"enable_thinking": req.thinking}
+        if context is not None:
+            _check_chars(tokenizer, req, extra, context, generate)
         return tokenizer.encode_chat(list(req.messages), tools=list(req.tools) or None, prefill=req.prefill,
                                      special_tokens_in_content=allow_special_tokens, **extra)  # fmt: skip
     except ValueError as err:
         raise APIError(400, f"the chat template rejected the conversation: {err}") from None
+
+
+def _check_chars(tokenizer: Tokenizer, req: MessagesRequest, extra: dict, context: int, generate: bool) -> None:
+    messages, tools = list(req.messages), list(req.tools) or None
+    texts = [*user_texts(messages), req.prefill]
+    least = tokens_over(texts, tokenizer, context, generate=generate)
+    if least is None and could_exceed(tokenizer, string_chars(messages) + string_chars(tools) + len(req.prefill),
+                                      context, generate=generate):  # fmt: skip
+        least = tokens_over([tokenizer.apply_chat_template(messages, tools=tools, **extra), req.prefill],
+                            tokenizer, context, generate=generate)  # fmt: skip
+    if least is not None:
+        raise APIError(400, f"prompt is too long: at least {least} tokens > {context - generate} maximum (counted "
+                            "from its characters without tokenizing)", param="messages")  # fmt: skip
 
 
 def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None, tokenizer: Tokenizer | None = None,

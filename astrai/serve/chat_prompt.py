@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from astrai.serve.input_bounds import check_text_fits, could_exceed, string_chars, user_texts
 from astrai.serve.sampling_fields import bad, flag, show
 
 if TYPE_CHECKING:
@@ -101,18 +102,30 @@ def _continue_final(body: dict, messages: list[dict]) -> tuple[list[dict], str]:
 
 
 def encode_messages(body: dict, tokenizer: Tokenizer | None, messages: list[dict], tools: list[dict], *,
-                    allow_special_tokens: bool = False) -> list[int]:  # fmt: skip
+                    allow_special_tokens: bool = False, context: int | None = None,
+                    generate: bool = True) -> list[int]:  # fmt: skip
     """Prompt ids of validated `messages` (`chat_messages`) through the chat template, honouring the body's
     `chat_template_kwargs`, `documents`, `continue_final_message` and `add_generation_prompt`.
 
+    With a `context`, a conversation too long for it by `input_bounds`' character bound is refused before it is
+    tokenized: on its user turns and pre-fill before rendering, and, when the body's strings as a whole could be
+    too long, on the rendered text (rendering is string work; tokenizing is what costs seconds).
+
     Raises:
-        APIError: 400 naming the field: no tokenizer, a bad template variable, or the template rejected them.
+        APIError: 400 naming the field: no tokenizer, a bad template variable, or the template rejected them;
+            `context_length_exceeded` (param `messages`) for a conversation the bound shows cannot fit.
     """
     if tokenizer is None:
         raise bad(None, "the served model has no tokenizer: use /v1/completions with token ids")
     kwargs = _template_kwargs(body, () if allow_special_tokens else tokenizer.special_token_texts)
     messages, prefill = _continue_final(body, messages)
     try:
+        if context is not None:
+            check_text_fits([*user_texts(messages), prefill], tokenizer, context, "messages", generate=generate)
+            total = string_chars(messages) + string_chars(tools) + string_chars(kwargs) + len(prefill)
+            if could_exceed(tokenizer, total, context, generate=generate):
+                text = tokenizer.apply_chat_template(messages, tools=tools or None, **kwargs)
+                check_text_fits([text, prefill], tokenizer, context, "messages", generate=generate)
         return tokenizer.encode_chat(messages, tools=tools or None, prefill=prefill,
                                      special_tokens_in_content=allow_special_tokens, **kwargs)  # fmt: skip
     except (ValueError, TypeError) as err:

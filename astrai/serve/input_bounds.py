@@ -10,14 +10,16 @@ refuses it without tokenizing, in the routes' context-overflow shape (code `cont
 
 Where the tokenizer can drop characters without a token, the count leaves them out (`TextBound.count`): whitespace,
 when a pre-tokenizer splits it off (BERT, `Whitespace`) or an added token strips its neighbours (`lstrip`/`rstrip`).
-Where one token can cover an unbounded run (a fused unknown token without byte fallback, a word-level model, a
-normalizer that deletes or regex-replaces text) there is no bound (`text_bound` is None) and nothing is refused
-early. The facts are computed once per tokenizer (`text_bound`, cached) from its serialized pipeline.
+Where one token can cover an unbounded run, or characters can vanish, there is no bound (`text_bound` is None) and
+nothing is refused early: unknown characters without byte tokens (dropped by a BPE without an unknown token, fused
+into one by Unigram or a `fuse_unk` BPE, a whole unsplittable word as WordPiece's [UNK]), a word-level model, a
+normalizer that deletes or regex-replaces text. The facts are computed once per tokenizer (`text_bound`, cached)
+from its serialized pipeline.
 
 Chat prompts: templates may drop parts of a conversation (Qwen3 drops earlier turns' reasoning), so the first,
-pre-render check counts only text every template renders, the user turns (`user_chars`). When the body's strings
-as a whole could exceed the bound, the conversation is rendered (cheap: string concatenation) and the rendered text
-is checked before it is tokenized (`chat_prompt.encode_messages`).
+pre-render check counts only text every template renders: the user turns and the pre-fill (`user_texts`). When the
+body's strings as a whole could exceed the bound, the conversation is rendered (cheap: string concatenation) and
+the rendered text is checked before it is tokenized (`chat_prompt.encode_messages`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import math
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from tokenizers import pre_tokenizers
 
 from astrai.serve.common import APIError
 from astrai.serve.sampling_fields import CONTEXT_LENGTH_EXCEEDED
@@ -92,27 +96,32 @@ def _pre_tokenizer_drops(spec: dict | None) -> bool:
     return kind not in _KEEPING_PRE_TOKENIZERS
 
 
-def _model_reach(model: dict) -> int | None:
+def _covers_bytes(vocab: dict[str, int], pre: dict | None, model: dict) -> bool:
+    """Whether every byte has a token: byte-fallback `<0xXX>` tokens, or a byte-level vocabulary's 256 characters."""
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return True
+    return "ByteLevel" in json.dumps(pre) and all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet())
+
+
+def _model_reach(model: dict, vocab: dict[str, int], pre: dict | None) -> int | None:
     """Characters one token of the model can cover beyond its vocabulary entries (0: none; None: unbounded)."""
     kind = model.get("type")
-    if kind == "BPE":
-        fused_unknown = model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback")
-        return None if fused_unknown else 0
-    if kind == "WordPiece":  # a word it cannot split becomes one [UNK], up to max_input_chars_per_word
-        return int(model.get("max_input_chars_per_word", 100))
-    if kind == "Unigram":
-        return 0 if model.get("byte_fallback") or model.get("unk_id") is None else None
-    return None  # WordLevel: any unknown word is one token
+    if _covers_bytes(vocab, pre, model):
+        return 0  # an unknown character becomes its bytes' tokens
+    if kind == "BPE":  # an unknown character is one unknown token, fused runs of them are one, or it is dropped
+        return 0 if model.get("unk_token") is not None and not model.get("fuse_unk") else None
+    return None  # WordPiece: an unsplittable word of any length is one [UNK]; Unigram fuses unknowns; WordLevel
 
 
 def compute_text_bound(tokenizer: Tokenizer) -> TextBound | None:
     """The tokenizer's `TextBound` from its serialized pipeline and vocabulary, or None when it has none."""
     spec = json.loads(tokenizer.backend.to_str())
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
     shrink = _normalizer_shrink(spec.get("normalizer"))
-    reach = _model_reach(spec.get("model", {}))
+    reach = _model_reach(spec.get("model", {}), vocab, spec.get("pre_tokenizer"))
     if shrink is None or reach is None:
         return None
-    longest = max((len(t) for t in tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+    longest = max((len(t) for t in vocab), default=1)
     added = spec.get("added_tokens") or []
     strips = any(t.get("lstrip") or t.get("rstrip") for t in added)
     drops = strips or _pre_tokenizer_drops(spec.get("pre_tokenizer"))
@@ -133,6 +142,20 @@ def text_bound(tokenizer: Tokenizer | None) -> TextBound | None:
         return bound
 
 
+def tokens_over(texts: str | list[str] | tuple[str, ...], tokenizer: Tokenizer | None, context: int, *,
+                generate: bool = True) -> int | None:  # fmt: skip
+    """The least number of tokens `texts` encode to when that is already more than `context` holds (less one for
+    the completion when `generate`), else None (they may fit, or the tokenizer has no bound)."""
+    bound = text_bound(tokenizer)
+    if bound is None:
+        return None
+    items = [texts] if isinstance(texts, str) else texts
+    if bound.min_tokens(sum(len(t) for t in items)) <= context - generate:  # fits on raw length: the usual case
+        return None
+    least = bound.min_tokens(sum(bound.count(t) for t in items))
+    return least if least > context - generate else None
+
+
 def check_text_fits(texts: str | list[str] | tuple[str, ...], tokenizer: Tokenizer | None, context: int, param: str,
                     *, what: str | None = None, generate: bool = True) -> None:  # fmt: skip
     """Refuse `texts` before tokenizing when their characters alone need more tokens than `context` holds.
@@ -149,17 +172,43 @@ def check_text_fits(texts: str | list[str] | tuple[str, ...], tokenizer: Tokeniz
         APIError: 400 with code `context_length_exceeded` in `sampling_fields.context_exceeded`'s wording, giving
             the lower bound ("at least N tokens") as the prompt's count.
     """
-    bound = text_bound(tokenizer)
-    if bound is None:
-        return
-    items = [texts] if isinstance(texts, str) else texts
-    chars = sum(len(t) for t in items)
-    if bound.min_tokens(chars) <= context - generate:  # cannot refuse on raw length: count what the tokenizer keeps
-        return
-    least = bound.min_tokens(sum(bound.count(t) for t in items))
-    if least > context - generate:
+    least = tokens_over(texts, tokenizer, context, generate=generate)
+    if least is not None:
         what = what or param
+        chars = sum(len(t) for t in ([texts] if isinstance(texts, str) else texts))
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {what} "
                             f"resulted in at least {least} tokens (counted from its {chars} characters without "
                             f"tokenizing). Please reduce the length of the {what}.",
                        param=param, code=CONTEXT_LENGTH_EXCEEDED)  # fmt: skip
+
+
+def string_chars(value: Any) -> int:
+    """Characters in every string of a JSON value (keys included): what a template could render of it at most
+    once over (templates may repeat a string, which only adds tokens)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + string_chars(v) for k, v in value.items() if isinstance(k, str))
+    if isinstance(value, list | tuple):
+        return sum(string_chars(v) for v in value)
+    return 0
+
+
+def user_texts(messages: list[dict]) -> list[str]:
+    """The user turns' text: what every chat template renders whole (others may drop earlier turns' reasoning,
+    a system message or tool results), so what the pre-render check may count."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") == "user" and isinstance(content, str):
+            out.append(content)
+        elif m.get("role") == "user" and isinstance(content, list):  # Anthropic-style text blocks
+            out.extend(b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
+    return out
+
+
+def could_exceed(tokenizer: Tokenizer | None, chars: int, context: int, *, generate: bool = True) -> bool:
+    """Whether `chars` characters could, by the bound, be too many for `context` (False: certainly fit, and no
+    check after rendering is needed)."""
+    bound = text_bound(tokenizer)
+    return bound is not None and bound.min_tokens(chars) > context - generate

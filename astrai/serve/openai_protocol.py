@@ -76,6 +76,7 @@ import attrs
 
 from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from astrai.serve.chat_prompt import encode_messages
+from astrai.serve.input_bounds import check_text_fits
 from astrai.serve.sampling_fields import (
     SAMPLING_FIELDS,
     UNSUPPORTED,
@@ -286,7 +287,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     rendered = tools if parse else []
     last = messages[-1]
     echo = (last["content"] or "") if flag(body, "echo") and last["role"] == "assistant" else ""
-    prompt = encode_messages(body, tokenizer, messages, rendered, allow_special_tokens=allow_special_tokens)
+    prompt = encode_messages(body, tokenizer, messages, rendered, allow_special_tokens=allow_special_tokens,
+                             context=context)  # fmt: skip
     top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top and not flag(body, "logprobs"):
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
@@ -414,6 +416,10 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int
     generate = explicit != 0
     if not generate and not echo:
         raise bad("max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt is echoed and scored)")
+    for i, prompt in enumerate(prompts):  # every text prompt on the character bound before tokenizing any
+        if isinstance(prompt, str):
+            check_text_fits(prompt, tokenizer, context, "prompt", what=f"prompt[{i}]" if several else "prompt",
+                            generate=generate)  # fmt: skip
     parsed = []
     for i, prompt in enumerate(prompts):
         where = f"prompt[{i}]" if several else "prompt"

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from astrai.io.tokenizer import Tokenizer
 from astrai.serve.chat_prompt import encode_messages
 from astrai.serve.common import json_body, openai_error, route
+from astrai.serve.input_bounds import check_text_fits
 from astrai.serve.openai_protocol import chat_messages
 from astrai.serve.sampling_fields import bad, check_fields, flag, is_token_id
 from astrai.serve.state import ServerState
@@ -45,8 +46,12 @@ def version() -> str:
         return "unknown"
 
 
-def tokenize(body: dict, tokenizer: Tokenizer | None, *, allow_special_tokens: bool = False) -> list[int]:
-    """The token ids of a /tokenize body (either shape); 400 naming the field for anything wrong."""
+def tokenize(body: dict, tokenizer: Tokenizer | None, *, allow_special_tokens: bool = False,
+             context: int | None = None) -> list[int]:  # fmt: skip
+    """The token ids of a /tokenize body (either shape); 400 naming the field for anything wrong.
+
+    With a `context`, a text the character bound shows is longer than it is a 400 `context_length_exceeded`
+    before it is rendered or tokenized (`input_bounds`), as on the generating routes."""
     if tokenizer is None:
         raise bad(None, "the served model has no tokenizer")
     if "messages" in body:
@@ -55,11 +60,14 @@ def tokenize(body: dict, tokenizer: Tokenizer | None, *, allow_special_tokens: b
             raise bad("add_special_tokens", "add_special_tokens true is not supported with messages: the chat "
                                             "template places the special tokens")  # fmt: skip
         messages, tools = chat_messages(body)
-        return encode_messages(body, tokenizer, messages, tools, allow_special_tokens=allow_special_tokens)
+        return encode_messages(body, tokenizer, messages, tools, allow_special_tokens=allow_special_tokens,
+                               context=context, generate=False)  # fmt: skip
     check_fields(body, _COMPLETION_FIELDS, {})
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad("prompt", "prompt must be a string (or send messages)")
+    if context is not None:
+        check_text_fits(prompt, tokenizer, context, "prompt", generate=False)
     return tokenizer.encode(prompt, add_special_tokens=flag(body, "add_special_tokens", True))
 
 
@@ -81,7 +89,8 @@ def routes(state: ServerState, health: Any) -> list[Route]:
     """vLLM's operational routes over `state`; `health` is the app's /health handler (/ping answers the same)."""
 
     def tokenize_reply(body: dict) -> bytes:  # on a worker: rendering, tokenizing and encoding grow with the body
-        ids = tokenize(body, state.tokenizer, allow_special_tokens=state.allow_special_tokens_in_content)
+        ids = tokenize(body, state.tokenizer, allow_special_tokens=state.allow_special_tokens_in_content,
+                       context=state.context)  # fmt: skip
         strs = [state.tokenizer.id_to_token(t) for t in ids] if flag(body, "return_token_strs") else None
         reply = {"count": len(ids), "max_model_len": state.context, "tokens": ids, "token_strs": strs}
         return json.dumps(reply, ensure_ascii=False).encode()
