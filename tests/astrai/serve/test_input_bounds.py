@@ -94,6 +94,9 @@ def test_unbounded_tokenizers_have_no_bound():
     bert = _tokenizers()["byte-level"]
     bert.backend.normalizer = normalizers.BertNormalizer()  # deletes control characters: no bound
     assert compute_text_bound(bert) is None
+    # a BPE without an unknown token drops characters outside its vocabulary: 1000 Ω are one token (the ▁ prefix)
+    dropping = _trained(models.BPE(), pre_tokenizers.Metaspace(), trainer=trainers.BpeTrainer(vocab_size=100))
+    assert len(dropping.backend.encode("Ω" * 1000).ids) == 1 and compute_text_bound(dropping) is None
     assert TextBound(4, drops_whitespace=True).count("a  b\n\tc") == 3
 
 
