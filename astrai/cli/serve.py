@@ -42,9 +42,16 @@ class ServeConfig(ModelArgs):
     """Interface to bind (0.0.0.0 exposes the server to the network)."""
     port: int = 8000
     """TCP port."""
-    api_key: str | None = None
-    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes and GET /metrics.
-    Default: the ASTRAI_API_KEY environment variable (which, unlike a flag, `ps` does not show); unset: no key."""
+    api_key: tuple[str, ...] = ()
+    """Require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/* routes and GET /metrics; several keys:
+    any of them. Default: the ASTRAI_API_KEY environment variable (which, unlike a flag, `ps` does not show);
+    unset: no key."""
+    cache_salt_by_api_key: bool = False
+    """Multi-tenant prefix cache: requests share cached prompt pages only with requests that sent the same API key
+    (each key's hash salts its pages, with a request's own cache_salt). Needs --api-key."""
+    enable_prompt_tokens_details: bool = False
+    """Report usage.prompt_tokens_details.cached_tokens (vLLM's flag; off by default: cache hits of other clients'
+    prompts would show in it)."""
     metrics_public: bool = False
     """Serve GET /metrics without the API key (a scraper can also send it: `authorization` in its config)."""
     served_model_name: tuple[str, ...] = ()
@@ -253,6 +260,8 @@ def _check_chat_template(model: Model) -> None:
 def main(cfg: ServeConfig) -> None:
     """Bind the address, load the model, build the app and run uvicorn until interrupted."""
     origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
+    if cfg.cache_salt_by_api_key and not (cfg.api_key or os.environ.get("ASTRAI_API_KEY")):
+        fail("--cache-salt-by-api-key needs --api-key (or ASTRAI_API_KEY): without keys every client is one tenant")
     engine_cfg = run_guarded(lambda: engine_config(cfg))
     sock = run_guarded(lambda: listen_socket(cfg.host, cfg.port))
     with sock:  # uvicorn closes its servers, not the socket; an early failure leaves it open too
@@ -299,6 +308,8 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                     responses_max_stored_bytes=cfg.responses_store_max_bytes,
                     max_embedding_tokens_per_request=cfg.max_embedding_tokens_per_request,
                     max_embedding_batch_tokens=cfg.max_embedding_batch_tokens,
+                    cache_salt_by_api_key=cfg.cache_salt_by_api_key,
+                    enable_prompt_tokens_details=cfg.enable_prompt_tokens_details,
                     max_reply_bytes=cfg.max_reply_bytes or None,
                     stream_stall_timeout=cfg.stream_stall_timeout or None)  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,

@@ -36,6 +36,7 @@ from astrai.inference.errors import EngineInputError
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT = 1024  # characters of a cache_salt
 MAX_LOGIT_BIAS = 100.0
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy: logits / t would overflow float32
 MIN_REPETITION_PENALTY = 1e-6  # positive logits / r stay finite in float32 (|logit| < 3e32)
@@ -131,6 +132,9 @@ class SamplingParams:
     # scheduling priority under EngineConfig.scheduling_policy "priority": lower values are admitted first and
     # preempted last (vLLM's meaning); must stay 0 under "fcfs"
     priority: int = 0
+    # vLLM's cache_salt: the prefix cache shares pages only between requests of the same salt (None: the unsalted
+    # space), so one client cannot learn from cache hits what another sent (radix.RadixCache)
+    cache_salt: str | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -161,6 +165,10 @@ class SamplingParams:
         _float_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         self._check_logit_bias(vocab_size)
         _int_in("priority", self.priority, -(1 << 63), (1 << 63) - 1)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT):  # fmt: skip
+            raise EngineInputError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters, "
+                                   f"got {self.cache_salt!r:.80}", param="cache_salt")  # fmt: skip
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise EngineInputError(f"seed must be an int or None, got {self.seed!r}", param="seed")
         _int_in("n", self.n, 1, MAX_N)

@@ -20,6 +20,10 @@ Notable features:
   one pop/push per leaf pinned by a running request (at most one per running request).
 - No recursion anywhere: page_size 1 makes the tree as deep as the longest prompt.
 
+Salts (vLLM's `cache_salt`): a salted request's first page is keyed by (salt, *its tokens), so its whole path
+lives under its own root child; requests share pages only with requests of the same salt (or, unsalted, with
+each other). A cache hit then tells a client nothing about what clients of another salt sent.
+
 Not here: partial-page sharing, token-granular matching inside a page, locking (single host thread),
 copy-on-write (a request writes only into pages it allocated itself). Ref: SGLang
 `python/sglang/srt/mem_cache/radix_cache.py`.
@@ -89,28 +93,30 @@ class RadixCache:
         """hit_tokens / query_tokens, 0.0 before any query. Cumulative: `reset` keeps the statistics."""
         return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
         """Pages of the longest cached prefix of `tokens` made of full pages, root first.
 
         Marks the matched path as most recently used and counts hit statistics. Does not incref.
 
         Args:
             tokens: token ids; only the first len(tokens) // page_size pages can match.
+            salt: the request's cache salt; only pages inserted with the same salt match (None: unsalted ones).
 
         Returns:
             Physical page ids, one per matched page (possibly empty).
         """
-        path = self._walk(tokens, len(tokens) // self.page_size)
+        path = self._walk(tokens, len(tokens) // self.page_size, salt)
         self._touch(path)
         self._query_tokens += len(tokens)
         self._hit_tokens += len(path) * self.page_size
         return [node.page for node in path]
 
-    def cached_pages(self, tokens: Sequence[int]) -> list[int]:
-        """Pages of the longest cached full-page prefix of `tokens`, without touching LRU stamps or statistics."""
-        return [node.page for node in self._walk(tokens, len(tokens) // self.page_size)]
+    def cached_pages(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+        """Pages of the longest cached full-page prefix of `tokens` (under `salt`), without touching LRU stamps or
+        statistics."""
+        return [node.page for node in self._walk(tokens, len(tokens) // self.page_size, salt)]
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
         """Cache the full pages of `tokens`, whose K/V are in `pages`; increfs every newly cached page.
 
         Where a prefix is already cached the existing page is kept and the caller's page is not cached.
@@ -118,6 +124,7 @@ class RadixCache:
         Args:
             tokens: fully materialised token ids (prompt + outputs[:-1]); a partial last page is ignored.
             pages: the request's pages in order; at least len(tokens) // page_size of them.
+            salt: the request's cache salt (`match` with the same salt finds these pages).
 
         Returns:
             Number of newly cached pages.
@@ -129,13 +136,13 @@ class RadixCache:
         n_full = len(tokens) // self.page_size
         if len(pages) < n_full:
             raise ValueError(f"insert: {len(tokens)} tokens fill {n_full} pages but only {len(pages)} were given")
-        path = self._walk(tokens, n_full)
+        path = self._walk(tokens, n_full, salt)
         new = list(pages[len(path) : n_full])
         self._check_insertable(new)
         self.pool.incref(new)
         node = path[-1] if path else self._root
         for i in range(len(path), n_full):
-            child = _Node(node, self._key(tokens, i), pages[i], self._next_uid)
+            child = _Node(node, self._key(tokens, i, salt), pages[i], self._next_uid)
             self._next_uid += 1
             node.children[child.key] = child
             self._page_node[child.page] = child
@@ -205,7 +212,8 @@ class RadixCache:
             for key, child in node.children.items():
                 assert child.parent is node, f"page {child.page}: parent link does not match its parent's children"
                 assert child.key == key, f"page {child.page}: stored key differs from its key in the parent"
-                assert len(key) == self.page_size, f"page {child.page}: key has {len(key)} tokens"
+                salted = node is root and len(key) == self.page_size + 1 and isinstance(key[0], str)
+                assert len(key) == self.page_size or salted, f"page {child.page}: key has {len(key)} tokens"
                 assert child.page is not None, "a non-root node has no page"
                 assert child.page not in seen, f"page {child.page} is cached twice"
                 seen.add(child.page)
@@ -218,15 +226,16 @@ class RadixCache:
         missing = [leaf.page for leaf in leaves if leaf.uid not in live]
         assert not missing, f"leaves {missing} have no eviction heap entry (they could never be evicted)"
 
-    def _key(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
-        return tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+    def _key(self, tokens: Sequence[int], i: int, salt: str | None = None) -> tuple:
+        page = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+        return (salt, *page) if salt is not None and i == 0 else page  # a str never equals a token id
 
-    def _walk(self, tokens: Sequence[int], n_pages: int) -> list[_Node]:
-        """Nodes of the longest cached prefix of the first `n_pages` pages of `tokens`, root excluded."""
+    def _walk(self, tokens: Sequence[int], n_pages: int, salt: str | None = None) -> list[_Node]:
+        """Nodes of the longest cached prefix of the first `n_pages` pages of `tokens` under `salt`, root excluded."""
         path: list[_Node] = []
         node = self._root
         for i in range(n_pages):
-            child = node.children.get(self._key(tokens, i))
+            child = node.children.get(self._key(tokens, i, salt))
             if child is None:
                 break
             path.append(child)

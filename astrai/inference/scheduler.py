@@ -129,8 +129,8 @@ class Scheduler:
         if self.radix is None or done < self.page_size:
             return
         tokens = seq.all_tokens[:done]
-        self.radix.insert(tokens, seq.pages)
-        cached = self.radix.cached_pages(tokens)
+        self.radix.insert(tokens, seq.pages, seq.params.cache_salt)
+        cached = self.radix.cached_pages(tokens, seq.params.cache_salt)
         duplicates = [i for i, page in enumerate(cached) if seq.pages[i] != page]
         if duplicates:
             self.pool.incref([cached[i] for i in duplicates])
@@ -226,7 +226,7 @@ class Scheduler:
         """Take the cached prefix pages of `seq` (at least one token is always left to compute, for its logits)."""
         if self.radix is None:
             return 0
-        pages = self.radix.match(seq.all_tokens[: seq.num_tokens - 1])
+        pages = self.radix.match(seq.all_tokens[: seq.num_tokens - 1], seq.params.cache_salt)
         self.pool.incref(pages)
         seq.pages, seq.num_computed = list(pages), len(pages) * self.page_size
         return len(pages)

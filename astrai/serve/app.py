@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
-from astrai.serve import anthropic_api, embeddings_api, openai_api, responses_api, vllm_api
+from astrai.serve import anthropic_api, embeddings_api, openai_api, responses_api, tenancy, vllm_api
 from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
 
@@ -66,6 +66,13 @@ def _key_matches(key: str, headers: dict[str, str]) -> bool:
     expected = key.encode()  # header values are raw bytes, decoded latin-1: compare bytes
     by_bearer = hmac.compare_digest(token.encode("latin-1"), expected)
     return hmac.compare_digest(headers.get("x-api-key", "").encode("latin-1"), expected) or by_bearer
+
+
+def _matching_key(keys: tuple[str, ...], headers: dict[str, str]) -> str | None:
+    """The API key of `keys` the request presents, or None; every key is compared (constant time each), so the
+    time taken does not tell which key, if any, matched."""
+    matches = [key for key in keys if _key_matches(key, headers)]
+    return matches[0] if matches else None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -111,6 +118,7 @@ class Guard:
 
         try:
             error = self._check(scope, headers)
+            tenancy.CURRENT.set(self._tenancy(headers))  # this request's task only (each request runs in its own)
             has_body = "transfer-encoding" in headers or headers.get("content-length", "0") not in ("0", "")
             if error is None:
                 body, error = await self._read_body(receive)
@@ -127,10 +135,10 @@ class Guard:
         host = _hostname(headers.get("host", ""))
         if not self._host_allowed(host, scope):
             return APIError(400, f"the Host {host!r} is not allowed for this server; list it with --allowed-hosts")
-        key, path = self.state.api_key, scope["path"]
+        keys, path = self.state.api_keys, scope["path"]
         protected = (path.startswith("/v1/") or path in KEYED_PATHS
                      or (path == "/metrics" and not self.state.metrics_public))  # fmt: skip
-        if key and protected and not _key_matches(key, headers):
+        if keys and protected and _matching_key(keys, headers) is None:
             return APIError(401, "invalid or missing API key", type="authentication_error")
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
         if scope["method"] == "POST" and media != "application/json" and path != "/ping":  # SageMaker's bare POST
@@ -144,6 +152,12 @@ class Guard:
         if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
             return APIError(413, f"the request body has {length} bytes; the limit is {self.state.max_body_bytes}")
         return None
+
+    def _tenancy(self, headers: dict[str, str]) -> tenancy.RequestContext:
+        """The request's cache salt by API key (`--cache-salt-by-api-key`) and cached-token reporting."""
+        key = _matching_key(self.state.api_keys, headers) if self.state.cache_salt_by_api_key else None
+        return tenancy.RequestContext(key_salt=None if key is None else tenancy.key_salt(key),
+                                      show_cached_tokens=self.state.enable_prompt_tokens_details)  # fmt: skip
 
     def _host_allowed(self, host: str, scope: Scope) -> bool:
         if host in LOOPBACK_HOSTS or (self.allowed_hosts is not None and ({host, "*"} & self.allowed_hosts)):
@@ -229,7 +243,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return response
 
 
-def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None = None,
+def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 8 << 20, embeddings: EncoderConfig | None = None, body_timeout: float = 60.0,
               allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False, tokenizer_workers: int = 4,
               allow_special_tokens_in_content: bool = False, sampling_defaults: Mapping[str, Any] | None = None,
@@ -238,7 +252,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
               responses_max_stored: int = responses_api.DEFAULT_MAX_STORED,
               responses_max_stored_bytes: int = responses_api.DEFAULT_MAX_STORED_BYTES,
               max_embedding_tokens_per_request: int = embeddings_api.MAX_REQUEST_TOKENS,
-              max_embedding_batch_tokens: int | None = None, max_reply_bytes: int | None = 32 << 20,
+              max_embedding_batch_tokens: int | None = None, cache_salt_by_api_key: bool = False,
+              enable_prompt_tokens_details: bool = False, max_reply_bytes: int | None = 32 << 20,
               stream_stall_timeout: float | None = 30.0) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
@@ -259,16 +274,24 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | None
     template). `reasoning_parser` (`reasoning.PARSERS`: qwen3, deepseek_r1) splits `<think>` reasoning off the
     answer (OpenAI `reasoning_content`, Anthropic `thinking` blocks); None: the text stays as generated.
     A request's `model` must be `model_name` or one of `model_aliases` (or absent): any other is a 404
-    `model_not_found`. `responses_max_stored` / `responses_max_stored_bytes` bound the `/v1/responses` store.
-    `max_reply_bytes` bounds a reply's size as estimated before generation (n, max_tokens, logprobs, echo,
-    prompt_logprobs; over it: a 400 naming them; None: no bound); `stream_stall_timeout` aborts a stream whose
-    client stopped reading for that many seconds (`common.stream_response`; None: never).
+    `model_not_found`. `api_key` may list several keys (each accepted); `cache_salt_by_api_key` salts every
+    request's prefix-cache pages by the key it presented, so clients of different keys never share a cached page,
+    and `enable_prompt_tokens_details` reports `cached_tokens` in usage (`tenancy`). `responses_max_stored` /
+    `responses_max_stored_bytes` bound the `/v1/responses` store. `max_reply_bytes` bounds a reply's size as
+    estimated before generation (n, max_tokens, logprobs, echo, prompt_logprobs; over it: a 400 naming them;
+    None: no bound); `stream_stall_timeout` aborts a stream whose client stopped reading for that many seconds
+    (`common.stream_response`; None: never).
 
     Raises:
         ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type;
-            `tool_call_parser` or `reasoning_parser` is not a parser's name.
+            `tool_call_parser` or `reasoning_parser` is not a parser's name; `cache_salt_by_api_key` without a key.
     """
-    state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(model_aliases), api_key=api_key,
+    keys = api_key if api_key is None or isinstance(api_key, str) else tuple(api_key)
+    if cache_salt_by_api_key and not keys:
+        raise ValueError("cache_salt_by_api_key needs an api_key: without keys every client is the same tenant")
+    state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(model_aliases), api_key=keys,
+                        cache_salt_by_api_key=cache_salt_by_api_key,
+                        enable_prompt_tokens_details=enable_prompt_tokens_details,
                         max_body_bytes=max_body_bytes, max_reply_bytes=max_reply_bytes,
                         stream_stall_timeout=stream_stall_timeout,
                         embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,

@@ -35,6 +35,7 @@ from astrai.inference.engine import Engine, EngineBusyError, EngineDeadError, Re
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
+from astrai.serve import tenancy
 
 
 @attrs.frozen
@@ -267,9 +268,10 @@ def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, busy_status: int) -> RequestHandle:
-    """Queue a request on the engine, mapping its errors to API errors (busy -> 429 / 529)."""
+    """Queue a request on the engine, mapping its errors to API errors (busy -> 429 / 529); the request's tenancy
+    salts its prefix-cache pages (`tenancy.salted`)."""
     try:
-        return engine.submit(prompt_ids, params, loop=asyncio.get_running_loop())
+        return engine.submit(prompt_ids, tenancy.salted(params), loop=asyncio.get_running_loop())
     except EngineBusyError as err:
         raise APIError(busy_status, f"the server is busy: {err}; retry later", type="rate_limit_error") from None
     except EngineDeadError as err:

@@ -54,7 +54,7 @@ from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
 from astrai.inference.score import PromptLogprobs, prompt_logprobs
 from astrai.io.token_bytes import TokenBytes
-from astrai.serve import common
+from astrai.serve import common, tenancy
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from astrai.serve.reasoning import new_parsers, prompt_start, sort_events, split
@@ -76,9 +76,14 @@ async def compile_grammar(state: ServerState, params: SamplingParams) -> None:
 
 # ---- responses ----------------------------------------------------------------------------------------------
 def _usage(completion: Completion) -> dict:
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}  # fmt: skip
+    usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+             "total_tokens": completion.prompt_tokens + completion.completion_tokens}  # fmt: skip
+    return _with_cached(usage, completion.cached_tokens)
+
+
+def _with_cached(usage: dict, cached: int) -> dict:
+    """`usage` with `prompt_tokens_details.cached_tokens`, when the server reports it (`tenancy`)."""
+    return {**usage, "prompt_tokens_details": {"cached_tokens": cached}} if tenancy.shows_cached_tokens() else usage
 
 
 def _finish(reason: str | None, has_calls: bool, forced: bool = False) -> str:
@@ -321,8 +326,8 @@ def _summed_usage(completions: list[Completion], prompt_tokens: int = 0) -> dict
     (`prompt_tokens`: those of prompts that were only echoed, never generated from)."""
     prompt = prompt_tokens + sum(c.prompt_tokens for c in completions)
     generated = sum(c.completion_tokens for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in completions)}}  # fmt: skip
+    usage = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    return _with_cached(usage, sum(c.cached_tokens for c in completions))
 
 
 async def _score(state: ServerState, prompts: list[list[int]], top: int) -> list[PromptLogprobs]:

@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from astrai.serve import common
+from astrai.serve import common, tenancy
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_api import compile_grammar, engine_deltas, no_free_text
 from astrai.serve.reasoning import new_parsers, sort_events
@@ -266,7 +266,9 @@ def _usage(state: ServerState, handle: Any, assembler: _Assembler) -> dict | Non
     thought = len(state.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
     return {"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
             "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-            "input_tokens_details": {"cached_tokens": completion.cached_tokens, "cache_write_tokens": 0},
+            # the SDK's type requires the field: 0 when the server does not report cached tokens (`tenancy`)
+            "input_tokens_details": {"cached_tokens": completion.cached_tokens if tenancy.shows_cached_tokens()
+                                     else 0, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": min(thought, completion.completion_tokens)}}  # fmt: skip
 
 

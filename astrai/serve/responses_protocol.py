@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
     "temperature", "top_p", "reasoning", "metadata", "user", "store", "stream", "previous_response_id", "include",
-    "truncation", "service_tier", "safety_identifier", "prompt_cache_key", "stream_options"})  # fmt: skip
+    "truncation", "service_tier", "safety_identifier", "prompt_cache_key", "stream_options", "cache_salt"})  # fmt: skip
 """Top-level fields a Responses request may hold (anything else is a 400 naming it)."""
 REFUSED = {"background": "background responses", "conversation": "conversations (use previous_response_id)",
            "prompt": "stored prompt templates", "max_tool_calls": "a cap on built-in tool calls",
@@ -244,7 +244,7 @@ def chat_body(body: dict, history: list[dict]) -> dict:
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
-    for key in ("temperature", "top_p", "parallel_tool_calls", "stream"):
+    for key in ("temperature", "top_p", "parallel_tool_calls", "stream", "cache_salt"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("tool_choice") is not None:

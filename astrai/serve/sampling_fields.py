@@ -49,7 +49,7 @@ SAMPLING_FIELDS = frozenset({
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
     "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "priority", "return_tokens_as_token_ids", "prompt_logprobs",
+    "structured_outputs", "priority", "return_tokens_as_token_ids", "prompt_logprobs", "cache_salt",
 })  # fmt: skip
 
 # known fields this server does not implement: a 400 with the reason unless null / false
@@ -306,8 +306,16 @@ def grammar_spec(body: dict) -> GrammarSpec | None:
 # ---- SamplingParams -----------------------------------------------------------------------------------------
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
            "repetition_penalty", "logit_bias", "seed", "n", "top_logprobs", "stop", "stop_token_ids",
-           "min_tokens", "priority", *GRAMMAR_FIELDS,
+           "min_tokens", "priority", "cache_salt", *GRAMMAR_FIELDS,
            *(f"structured_outputs.{k}" for k in STRUCTURED_OUTPUTS)}  # fmt: skip
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string (its length is checked by `SamplingParams.check`), or None."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad("cache_salt", f"cache_salt must be a non-empty string, got {show(salt)}")
+    return salt
 
 
 def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprobs: int | None,
@@ -339,6 +347,7 @@ def sampling_params(body: dict, vocab_size: int, *, max_tokens: int, top_logprob
         include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
         grammar=grammar_spec(body),
         priority=integer(body, "priority", 0, -(1 << 63), (1 << 63) - 1),
+        cache_salt=_cache_salt(body),
     )
     try:
         params.check(vocab_size)

@@ -35,7 +35,9 @@ class ServerState:
     model_aliases: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     metrics: Metrics = attrs.Factory(Metrics)
     created: int = attrs.Factory(lambda: int(time.time()))
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key or several (any of them is accepted)
+    cache_salt_by_api_key: bool = False  # True: each API key's requests share prefix-cache pages only among themselves
+    enable_prompt_tokens_details: bool = False  # True: usage reports prompt_tokens_details.cached_tokens (vLLM's flag)
     metrics_public: bool = False  # True: GET /metrics needs no API key even when one is set
     max_body_bytes: int = 8 << 20
     # largest reply a request may ask for, as estimated before generation (`common.check_reply_size`); None: any
@@ -69,6 +71,13 @@ class ServerState:
         streaming other replies meanwhile; `fn` should release the GIL where it can (`Tokenizer.encode_nogil`).
         """
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._tokenizing)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (empty: none is required)."""
+        if not self.api_key:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(k for k in self.api_key if k)
 
     def check_model(self, body: Mapping[str, Any]) -> None:
         """APIError 404 `model_not_found` when the request's `model` names a model this server does not serve.
