@@ -48,6 +48,7 @@ from astrai.io.model import Model
 from astrai.models.encoder import EncoderConfig
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error
+from astrai.serve.input_bounds import check_text_fits, tokens_over
 from astrai.serve.sampling_fields import check_fields
 from astrai.serve.state import ServerState
 
@@ -108,6 +109,18 @@ def _tokenize(state: ServerState, texts: list[str], budget: int, gone: threading
     return out
 
 
+def _check_chars(state: ServerState, texts: list[str], budget: int) -> None:
+    """Refuse texts on the character bound before tokenizing any (`input_bounds`): an input whose characters
+    alone need more tokens than the encoder's positions, or inputs that together need more than `budget`."""
+    context = state.engine.model.config.max_position_embeddings
+    for i, text in enumerate(texts):
+        check_text_fits(text, state.tokenizer, context, "input", what=f"input[{i}]" if len(texts) > 1 else "input",
+                        generate=False)  # fmt: skip
+    least = tokens_over(texts, state.tokenizer, budget, generate=False)
+    if least is not None:
+        raise _over_budget(least, budget, exact=False)
+
+
 def _inputs(state: ServerState, value: Any, budget: int, gone: threading.Event) -> list[list[int]]:
     """Token ids of every input; 400 naming `input` for anything but the four OpenAI shapes, or past `budget`."""
     shape = "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -124,7 +137,7 @@ def _inputs(state: ServerState, value: Any, budget: int, gone: threading.Event) 
             raise _bad("input", "the served model has no tokenizer: send token ids")
         if not all(value):
             raise _bad("input", f"input[{[bool(v) for v in value].index(False)}] is an empty string")
-        # TODO(issue 42, item 2): the cheap character bound (astrai/serve/input_bounds.py) before tokenizing
+        _check_chars(state, value, budget)
         return _tokenize(state, value, budget, gone)
     if not all(_is_ids(v) for v in value):
         raise _bad("input", f"input must be {shape} (not a mix); got {json.dumps(value)[:60]}")

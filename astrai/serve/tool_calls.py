@@ -216,6 +216,8 @@ class ToolCallParser:
                 self._all, self._cur, self._mode = self._all[: self._tag_at], self._tag_at, "text"
             elif self._mode in ("text", "after") and OPEN.startswith(tail) and (tail or self._forced):
                 self._all = self._all[: self._cur]  # the held-back tag and the whitespace before it
+            elif self._mode == "after" and tail and CLOSE.startswith(tail):
+                self._all = self._all[: self._cur]  # a closing tag cut short after a complete call
         self._run(final=True)
         self._mode = "done"
         return self._take()

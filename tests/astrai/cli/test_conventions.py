@@ -97,8 +97,12 @@ def test_model_id_revision_and_dtype_reach_load_unchanged(monkeypatch):
     args = parse(GenerateConfig, ["Qwen/Qwen3-0.6B", "--revision", "abc", "--dtype", "half", "--prompt", "x",
                                   "--device", "cpu"])  # fmt: skip
     assert load_model(args) is loaded
-    assert calls == [("Qwen/Qwen3-0.6B", {"dtype": "float16", "device": "cpu", "revision": "abc", "quantize": None,
-                                          "allow_outside_files": False})]
+    assert calls == [
+        (
+            "Qwen/Qwen3-0.6B",
+            {"dtype": "float16", "device": "cpu", "revision": "abc", "quantize": None, "allow_outside_files": False},
+        )
+    ]
     for flag in ("--quantize", "--quantization", "-q"):  # ours, and vLLM's spellings
         load_model(parse(GenerateConfig, ["m", "--prompt", "x", "--device", "cpu", flag, "int8"]))
         assert calls[-1][1]["quantize"] == "int8"
@@ -176,7 +180,7 @@ def test_serve_passes_its_flags_to_the_engine_the_app_and_uvicorn(gen_model_dir,
         run["engine"].shutdown()
     assert flags["sampling_defaults"] == {} and plain["sampling_defaults"] == {"temperature": 0.6, "top_k": 5}
     assert flags["log_requests"] is True and plain["log_requests"] is False
-    assert flags["api_key"] == "k" and flags["model_name"] == plain["model_name"] == "m"
+    assert flags["api_key"] == ("k",) and flags["model_name"] == plain["model_name"] == "m"
     engine = flags["engine"]
     assert (engine.config.max_running, engine.config.seed, engine.max_model_len) == (3, 7, 64)
     assert flags["uvicorn"]["log_level"] == "debug" and plain["uvicorn"]["log_level"] == "info"

@@ -29,6 +29,7 @@ from astrai.models.encoder import EncoderConfig
 from astrai.serve.app import build_app
 from astrai.serve.common import APIError
 from astrai.serve.embeddings_api import ClientGone, Embedder, parse_embeddings
+from astrai.serve.input_bounds import text_bound
 from astrai.serve.server import GracefulServer
 from helpers import assert_close, tiny_model_dir
 
@@ -191,6 +192,7 @@ def test_the_per_request_budget_is_a_400_naming_input(live, model):
 class _CountingTokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.texts = tokenizer, 0
+        self.backend = tokenizer.backend  # what the character bound reads
 
     def encode_batch(self, texts):
         self.texts += len(texts)
@@ -214,6 +216,24 @@ def test_the_budget_is_exact_and_stops_tokenizing_early(model):
     assert state.tokenizer.texts <= 64  # one chunk, not all 2000 texts
     ok = parse_embeddings(state, {"input": texts[:3]}, max_tokens=100)
     assert ok.inputs == model.tokenizer.encode_batch(texts[:3])
+
+
+def test_over_long_text_is_refused_on_its_characters_before_tokenizing(model):
+    state = _State(model, _CountingTokenizer(model.tokenizer))
+    context = model.config.max_position_embeddings
+    per_token = text_bound(model.tokenizer).chars_per_token
+    long = "ab " * (context * per_token // 3 + 10)  # more characters than `context` tokens can hold
+    with pytest.raises(APIError) as err:
+        parse_embeddings(state, {"input": ["hi", long]}, max_tokens=10 * context)
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded" and err.value.param == "input"
+    assert "input[1]" in err.value.message and f"maximum context length is {context}" in err.value.message
+    many = ["ab " * (context // 4)] * 40  # each fits; together past the budget on characters alone
+    with pytest.raises(APIError, match="at most 64 per request"):
+        parse_embeddings(state, {"input": many}, max_tokens=64)
+    assert state.tokenizer.texts == 0  # neither was tokenized
+    fits = "ab " * (context // 8)  # positive control: a text that fits is tokenized
+    got = parse_embeddings(state, {"input": [fits]}, max_tokens=context)
+    assert got.inputs == model.tokenizer.encode_batch([fits]) and state.tokenizer.texts == 1
 
 
 def test_tokenizing_stops_when_the_client_left(model):

@@ -238,11 +238,6 @@ def test_cut_forced_call_agrees_with_the_openai_reply(server):
     assert not message.get("content") and not message.get("tool_calls"), message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tool_calls.ToolCallParser.finish drops a cut start tag but not a cut closing "
-    "tag: '</tool_c' left by max_tokens after a complete call becomes content (all three APIs)",
-)
 def test_cut_closing_tag_is_not_content(server):
     server.script(CALL)
     calls = len(server.tokenizer.encode(CALL, add_special_tokens=False))
