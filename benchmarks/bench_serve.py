@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -200,14 +200,14 @@ def build_model(name: str, vocab: int) -> Model:
     return Model(config=cfg, params=astrai.init_params(cfg), tokenizer=tok, eos_token_ids=(tok.eos_token_id,))
 
 
-def serve_in_thread(engine: Engine) -> tuple[GracefulServer, threading.Thread, str]:
-    """`astrai serve`'s server (GracefulServer around build_app, its connection limits) on an ephemeral port, run
-    on a thread."""
+def serve_in_thread(engine: Engine, **app_kwargs: Any) -> tuple[GracefulServer, threading.Thread, str]:
+    """`astrai serve`'s server (GracefulServer around build_app with `app_kwargs`, its connection limits) on an
+    ephemeral port, run on a thread."""
     from astrai.serve.app import build_app
     from astrai.serve.server import GracefulServer, server_config
 
-    config = server_config(build_app(engine, model_name="bench"), host="127.0.0.1", port=0, log_level="warning",
-                           timeout_graceful_shutdown=5)  # fmt: skip
+    app = build_app(engine, model_name="bench", **app_kwargs)
+    config = server_config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
     server = GracefulServer(config, engine)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

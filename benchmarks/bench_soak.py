@@ -17,16 +17,25 @@ deadline; each repeatedly picks an action at random:
   values, an out-of-vocab prompt id, a context overflow, a lone surrogate, 10,000-deep nesting, a 5,000-digit
   number, a text/plain body, an unknown route, a wrong method): it must be answered 4xx.
 - `raw`: a socket that sends part of a request head, or a head promising more body than it sends, then closes.
+- the hostile-but-valid kinds of `soak_hostile` (issue 42; off with `--no-hostile`): big logprob replies and one
+  over `--max-reply-bytes`, prompts far past the context on every route, embeddings (some abandoned), salted
+  requests under two API keys, slow readers on a 4 KiB window, CL+TE and 64 KB-head framing attacks.
+
+Meanwhile a prober GETs /health every 0.1 s: its worst and p99 latency are reported (the event loop's stalls), and
+the process's RSS (the server runs in it) before, after and at its peak.
 
 A *server error* is a 5xx, an error event inside a stream, a stream that ended without its final event, a
 transport error on a request not dropped on purpose, a good request refused with a 4xx (429/529 "busy" are
 counted apart and allowed), or an ERROR record logged by uvicorn or astrai. After the deadline the engine must
 go idle with no KV page held by a request (`kv_pages_used == 0`), the pool and radix must pass their checks,
-`radix.reset()` must leave every page free, and one more normal request must succeed.
+`radix.reset()` must leave every page free, and one more normal request must succeed. The server takes two API
+keys and salts the prefix cache by key (`--cache-salt-by-api-key`), serves embeddings, and aborts a stream whose
+client stopped reading after `--stream-stall-timeout` seconds.
 
 Prints a rich table (one row per action) and the JSON report as the last stdout line; exits 1 when a check
 failed (the failures go to stderr). `--smoke` runs 8 streams for 4 seconds on a 512-token KV pool (CI).
 Usage: python benchmarks/bench_soak.py [--streams 64] [--duration 60] [--kv-budget-tokens 2048] [--seed 0]
+       [--no-hostile] [--max-reply-bytes 4194304] [--stream-stall-timeout 1]
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import soak_hostile
 from bench_serve import CORPUS, build_model, serve_in_thread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_soak.json"
@@ -79,11 +89,9 @@ BAD = [  # (method, path, httpx keyword arguments): every one must get a 4xx
 class Tally:
     """Per-action counts, response statuses, and the server errors seen (the first 20 described)."""
 
-    ACTIONS = ("stream", "full", "anthropic", "disconnect", "bad", "raw")
-
-    def __init__(self) -> None:
-        keys = ("requests", "ok", "4xx", "5xx", "busy", "dropped", "tokens", "errors")
-        self.rows = {a: {"action": a, **dict.fromkeys(keys, 0)} for a in self.ACTIONS}
+    def __init__(self, actions: list[str]) -> None:
+        keys = ("requests", "ok", "4xx", "5xx", "busy", "dropped", "tokens", "errors", "worst_s")
+        self.rows = {a: {"action": a, **dict.fromkeys(keys, 0)} for a in actions}
         self.statuses: Counter[int] = Counter()
         self.failures: list[str] = []
         self.bad_accepted = 0
@@ -121,9 +129,12 @@ class Tally:
 class Soak:
     """What every worker shares: the client, the server's address, the vocabulary size, the tally, the deadline."""
 
-    def __init__(self, client: httpx.AsyncClient, port: int, vocab: int, deadline: float) -> None:
-        self.client, self.port, self.vocab, self.deadline, self.tally = client, port, vocab, deadline, Tally()
+    def __init__(self, client: httpx.AsyncClient, port: int, vocab: int, deadline: float, actions: dict) -> None:
+        self.client, self.port, self.vocab, self.deadline = client, port, vocab, deadline
+        self.actions = actions  # name: (coroutine, weight)
+        self.tally = Tally([*actions, "health"])
         self.final_ok = False  # the normal request sent after the soak succeeded
+        self.health: list[float] = []  # /health latencies (s)
 
 
 def words(rng: random.Random) -> str:
@@ -264,22 +275,28 @@ ACTIONS = {"stream": (act_stream, 4), "full": (act_full, 2), "anthropic": (act_a
 
 
 async def worker(ctx: Soak, rng: random.Random) -> None:
-    names, weights = list(ACTIONS), [w for _, w in ACTIONS.values()]
+    names, weights = list(ctx.actions), [w for _, w in ctx.actions.values()]
     while time.monotonic() < ctx.deadline:
         action = rng.choices(names, weights)[0]
+        start = time.perf_counter()
         try:
-            await ACTIONS[action][0](ctx, rng)
+            await ctx.actions[action][0](ctx, rng)
         except httpx.HTTPError as err:
             ctx.tally.fail(action, f"transport error {type(err).__name__}: {err}")
         except (ValueError, KeyError, TypeError) as err:  # JSON that is not what the API promises
             ctx.tally.fail(action, f"malformed response {type(err).__name__}: {err}")
+        row = ctx.tally.rows[action]
+        row["worst_s"] = max(row["worst_s"], time.perf_counter() - start)
 
 
-async def load(url: str, port: int, vocab: int, streams: int, duration: float, seed: int) -> Soak:
-    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        ctx = Soak(client, port, vocab, time.monotonic() + duration)
-        await asyncio.gather(*(worker(ctx, random.Random(seed * 1000 + i)) for i in range(streams)))
+async def load(url: str, port: int, vocab: int, args: argparse.Namespace) -> Soak:
+    actions = {**ACTIONS, **(soak_hostile.HOSTILE if args.hostile else {})}
+    limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits, headers=soak_hostile.auth()) as client:
+        ctx = Soak(client, port, vocab, time.monotonic() + args.duration, actions)
+        workers = [worker(ctx, random.Random(args.seed * 1000 + i)) for i in range(args.streams)]
+        await asyncio.gather(soak_hostile.probe_health(ctx, ctx.health), *workers)
+        ctx.tally.rows["health"]["worst_s"] = max(ctx.health, default=0.0)
         final = await client.post(CHAT, json={"model": "bench", "messages": HI, "max_tokens": 4})
         ctx.final_ok = final.status_code == 200 and final.json()["choices"][0]["finish_reason"] is not None
     return ctx
@@ -316,25 +333,37 @@ def settle(engine, timeout: float = 60.0) -> dict:
                 generated_tokens=stats.generated_tokens, problems=problems)  # fmt: skip
 
 
+def health_summary(latencies: list[float]) -> dict:
+    """The /health prober's probes and latency percentiles, ms."""
+    ordered = sorted(latencies) or [0.0]
+    pick = lambda q: 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return dict(probes=len(latencies), p50_ms=pick(0.5), p99_ms=pick(0.99), worst_ms=1000 * ordered[-1])
+
+
 def run(args: argparse.Namespace) -> dict:
     """Serve, soak, settle; returns the report."""
     import torch
 
     from astrai.inference.engine import Engine, EngineConfig
+    from astrai.models.encoder import EncoderConfig
 
     torch.manual_seed(args.seed)
     model = build_model(args.config, args.vocab)
     engine = Engine(model, EngineConfig(compile=args.compile, kv_budget_tokens=args.kv_budget_tokens))
-    server, thread, url = serve_in_thread(engine)
+    server, thread, url = serve_in_thread(engine, api_key=soak_hostile.KEYS, cache_salt_by_api_key=True,
+                                          embeddings=EncoderConfig(pooling="mean"),
+                                          max_reply_bytes=args.max_reply_bytes,
+                                          stream_stall_timeout=args.stream_stall_timeout)  # fmt: skip
+    rss_start = soak_hostile.rss_mib()["rss_mib"]
     log = ErrorLog()
     for name in ("uvicorn", "astrai"):
         logging.getLogger(name).addHandler(log)
     try:
         start = time.perf_counter()
-        ctx = asyncio.run(load(url, server.servers[0].sockets[0].getsockname()[1], model.config.vocab_size,
-                               args.streams, args.duration, args.seed))  # fmt: skip
+        ctx = asyncio.run(load(url, server.servers[0].sockets[0].getsockname()[1], model.config.vocab_size, args))
         wall = time.perf_counter() - start
         kv = settle(engine)
+        rss = soak_hostile.rss_mib()
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -348,7 +377,10 @@ def run(args: argparse.Namespace) -> dict:
                 kv_budget_tokens=args.kv_budget_tokens, requests=sum(r["requests"] for r in tally.rows.values()),
                 actions=list(tally.rows.values()), statuses={str(k): v for k, v in sorted(tally.statuses.items())},
                 bad_accepted=tally.bad_accepted, server_errors=errors, failures=tally.failures + log.records[:20],
-                kv=kv, final_request_ok=ctx.final_ok, ok=ok)  # fmt: skip
+                kv=kv, final_request_ok=ctx.final_ok, hostile=args.hostile, max_reply_bytes=args.max_reply_bytes,
+                stream_stall_timeout_s=args.stream_stall_timeout, health=health_summary(ctx.health),
+                rss_start_mib=rss_start, rss_end_mib=rss["rss_mib"], peak_rss_mib=rss["peak_rss_mib"],
+                ok=ok)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-budget-tokens", type=int, default=2048, help="a small pool: preemption under load")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hostile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mix in soak_hostile's request kinds (issue 42)",
+    )
+    parser.add_argument("--max-reply-bytes", type=int, default=4 << 20, help="the server's --max-reply-bytes")
+    parser.add_argument("--stream-stall-timeout", type=float, default=1.0, help="the server's, seconds")
     parser.add_argument("--smoke", action="store_true", help="8 streams for 4 seconds, a 512-token KV pool")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -369,12 +409,14 @@ def main(argv: list[str] | None = None) -> int:
         args.vocab, args.streams, args.duration, args.kv_budget_tokens = 300, 8, 4.0, 512
     report = run(args)
     cols = [("action", ""), ("requests", ""), ("ok", ""), ("4xx", ""), ("5xx", ""), ("busy", ""), ("dropped", ""),
-            ("tokens", ""), ("errors", "")]  # fmt: skip
+            ("tokens", ""), ("errors", ""), ("worst_s", ".2f")]  # fmt: skip
     kv = report["kv"]
     title = (
         f"soak: {report['streams']} streams for {report['duration_s']:.0f} s ({report['wall_s']:.1f} s wall), "
         f"{report['requests']} requests, {kv['preemptions']} preemptions; server errors {report['server_errors']}; "
-        f"KV after: {kv['used_after']} pages in use, {kv['free_after_reset']}/{kv['pages_total']} free after reset"
+        f"KV after: {kv['used_after']} pages in use, {kv['free_after_reset']}/{kv['pages_total']} free after reset; "
+        f"/health worst {report['health']['worst_ms']:.0f} ms (p99 {report['health']['p99_ms']:.0f}); "
+        f"RSS {report['rss_start_mib']:.0f} -> {report['rss_end_mib']:.0f} MiB (peak {report['peak_rss_mib']:.0f})"
     )
     console.print(table(title, report["actions"], cols))
     for failure in report["failures"]:

@@ -229,8 +229,10 @@ def _check_context(prompt_len: int, max_tokens: int, context: int) -> None:
 def routes(state: ServerState) -> list[Route]:
     """The Anthropic routes over a `ServerState`."""
 
-    async def prompt_ids(req: MessagesRequest, generate: bool = True) -> list[int]:  # rendered, tokenized off the loop
+    async def prompt_ids(request: Request, req: MessagesRequest, generate: bool = True) -> list[int]:
+        # rendered and tokenized off the loop, stopped once the client left
         return await state.offload(render_prompt, state.tokenizer, req, context=state.context, generate=generate,
+                                   request=request,
                                    allow_special_tokens=state.allow_special_tokens_in_content)  # fmt: skip
 
     async def checked_body(request: Request) -> dict:
@@ -243,7 +245,7 @@ def routes(state: ServerState) -> list[Route]:
         if req.thinking and state.reasoning_parser is None:
             raise APIError(400, "thinking: this server splits no reasoning off the output; start it with "
                                 "--reasoning-parser (qwen3 or deepseek_r1) to return thinking blocks")  # fmt: skip
-        ids = await prompt_ids(req)
+        ids = await prompt_ids(request, req)
         _check_context(len(ids), req.max_tokens, state.context)
         params = sampling_params(req, state.sampling_defaults, state.tokenizer, state.tool_parser)
         if params.grammar is not None:  # compiled off the event loop; a tool schema it cannot take is a 400
@@ -274,7 +276,7 @@ def routes(state: ServerState) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         req = parse_request(await checked_body(request), count_only=True)
-        return JSONResponse({"input_tokens": len(await prompt_ids(req, generate=False))})
+        return JSONResponse({"input_tokens": len(await prompt_ids(request, req, generate=False))})
 
     return [Route("/v1/messages", route(anthropic_error, messages), methods=["POST"]),
             Route("/v1/messages/count_tokens", route(anthropic_error, count_tokens), methods=["POST"])]  # fmt: skip

@@ -43,6 +43,7 @@ import attrs
 
 from astrai.inference.params import SamplingParams
 from astrai.serve.common import APIError
+from astrai.serve.disconnect import checkpoint
 from astrai.serve.input_bounds import could_exceed, string_chars, tokens_over, user_texts
 from astrai.serve.tool_grammars import tool_call_grammar
 from astrai.serve.tools_common import TOOL_NAME, function_tool, template_call, tool_names
@@ -351,6 +352,7 @@ def _check_chars(tokenizer: Tokenizer, req: MessagesRequest, extra: dict, contex
                                       context, generate=generate):  # fmt: skip
         least = tokens_over([tokenizer.apply_chat_template(messages, tools=tools, **extra), req.prefill],
                             tokenizer, context, generate=generate)  # fmt: skip
+        checkpoint()  # rendered; the client may have left meanwhile
     if least is not None:
         raise APIError(400, f"prompt is too long: at least {least} tokens > {context - generate} maximum (counted "
                             "from its characters without tokenizing)", param="messages")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from astrai.serve.disconnect import checkpoint
 from astrai.serve.input_bounds import check_text_fits, could_exceed, string_chars, user_texts
 from astrai.serve.sampling_fields import bad, flag, show
 
@@ -126,6 +127,7 @@ def encode_messages(body: dict, tokenizer: Tokenizer | None, messages: list[dict
             if could_exceed(tokenizer, total, context, generate=generate):
                 text = tokenizer.apply_chat_template(messages, tools=tools or None, **kwargs)
                 check_text_fits([text, prefill], tokenizer, context, "messages", generate=generate)
+                checkpoint()  # rendered; the client may have left meanwhile
         return tokenizer.encode_chat(messages, tools=tools or None, prefill=prefill,
                                      special_tokens_in_content=allow_special_tokens, **kwargs)  # fmt: skip
     except (ValueError, TypeError) as err:

@@ -48,6 +48,7 @@ from astrai.io.model import Model
 from astrai.models.encoder import EncoderConfig
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error
+from astrai.serve.disconnect import ClientGone, watch
 from astrai.serve.input_bounds import check_text_fits, tokens_over
 from astrai.serve.sampling_fields import check_fields
 from astrai.serve.state import ServerState
@@ -60,10 +61,6 @@ FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
 """OpenAI's embeddings fields (`user` is accepted and unused); any other is a 400 naming it, as on the other
 routes, so a misspelt field is not silently ignored."""
 _FORMATS = ("float", "base64")
-
-
-class ClientGone(Exception):
-    """The client closed the connection: the request's work stopped, nobody reads its answer."""
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -302,13 +299,6 @@ def _encode_vector(vector: Any, as_base64: bool) -> list[float] | str:
     return vector.tolist()
 
 
-async def _watch(request: Request, gone: threading.Event) -> None:
-    # after the body is read, the next ASGI message is http.disconnect when the client goes away
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
 def routes(state: ServerState, embedder: Embedder | None, *, max_request_tokens: int = MAX_REQUEST_TOKENS
            ) -> list[Route]:  # fmt: skip
     """`POST /v1/embeddings` over `state`, run on `embedder` (404 unless `state.embeddings` is set)."""
@@ -320,7 +310,7 @@ def routes(state: ServerState, embedder: Embedder | None, *, max_request_tokens:
         body = await common.json_body(request)
         state.check_model(body)
         gone = threading.Event()
-        watcher = asyncio.create_task(_watch(request, gone))
+        watcher = asyncio.create_task(watch(request, gone))
         try:
             req = await state.offload(parse_embeddings, state, body, max_tokens=max_request_tokens, gone=gone)
             vectors = await embedder.run(req.inputs, gone)

@@ -225,7 +225,8 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
     state.check_model(body)
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
-                               defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
+                               defaults=state.sampling_defaults, tool_parser=state.tool_parser,
+                               request=request)  # fmt: skip
     big = common.check_reply_size(state.max_reply_bytes, chat_reply_parts(chat)) > common.BIG_REPLY_BYTES
     await compile_grammar(state, chat.params)
     head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.model_name}
@@ -238,7 +239,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
     completion = await _collect(state, request, handle, len(chat.prompt))
     # built and encoded on the worker pool: logprobs of n long choices are tens of MB of JSON (seconds of CPU)
-    reply = await state.offload(_chat_reply, state, chat, head, completion, scored, big)
+    reply = await state.offload(_chat_reply, state, chat, head, completion, scored, big, request=request)
     return Response(reply, media_type="application/json")
 
 
@@ -402,7 +403,7 @@ def completion_reply_parts(req: CompletionRequest) -> list[tuple[str, tuple[str,
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
     state.check_model(body)
-    req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size,
+    req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size, request=request,
                               context=state.context, defaults=state.sampling_defaults,
                               max_sequences=state.max_waiting)  # fmt: skip
     big = common.check_reply_size(state.max_reply_bytes, completion_reply_parts(req)) > common.BIG_REPLY_BYTES
@@ -430,7 +431,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
     if any(h.completion is None for h in handles):
         raise APIError(499, "the client closed the request")
     # built and encoded on the worker pool: echoed and generated logprobs of a list of prompts are tens of MB
-    reply = await state.offload(_completion_reply, state, req, head, handles, scores, big)
+    reply = await state.offload(_completion_reply, state, req, head, handles, scores, big, request=request)
     return Response(reply, media_type="application/json")
 
 

@@ -76,6 +76,7 @@ import attrs
 
 from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from astrai.serve.chat_prompt import encode_messages
+from astrai.serve.disconnect import checkpoint
 from astrai.serve.input_bounds import check_text_fits
 from astrai.serve.sampling_fields import (
     SAMPLING_FIELDS,
@@ -422,6 +423,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int
                             generate=generate)  # fmt: skip
     parsed = []
     for i, prompt in enumerate(prompts):
+        checkpoint()  # between the prompts of a list: stop once the client left
         where = f"prompt[{i}]" if several else "prompt"
         ids, text = _prompt_ids(tokenizer, prompt, where, vocab_size, add_special)
         if len(ids) > context or (generate and len(ids) == context):

@@ -314,7 +314,8 @@ async def _create(state: ServerState, request: Request) -> Response:
         history = stored.messages
     req = await state.offload(parse_responses, body, history, state.tokenizer, vocab_size=state.vocab_size,
                               context=state.context, allow_special_tokens=state.allow_special_tokens_in_content,
-                              defaults=state.sampling_defaults, tool_parser=state.tool_parser)  # fmt: skip
+                              defaults=state.sampling_defaults, tool_parser=state.tool_parser,
+                              request=request)  # fmt: skip
     try:
         await compile_grammar(state, req.chat.params)
     except APIError as err:

@@ -7,7 +7,9 @@ they take the tokenizer and the limits they check as arguments.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,9 +17,11 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import attrs
+from starlette.requests import Request
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
+from astrai.serve import disconnect
 from astrai.serve.common import APIError
 from astrai.serve.metrics import Metrics
 from astrai.serve.reasoning import check_parser
@@ -64,13 +68,26 @@ class ServerState:
         init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
     )
 
-    async def offload(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    async def offload(self, fn: Callable[..., Any], /, *args: Any, request: Request | None = None,
+                      **kwargs: Any) -> Any:  # fmt: skip
         """`fn(*args, **kwargs)` run on a worker thread, at most `tokenizer_workers` at once (the rest queue).
 
         For the heavy per-request host work (chat-template rendering, tokenization), so that the event loop keeps
         streaming other replies meanwhile; `fn` should release the GIL where it can (`Tokenizer.encode_nogil`).
+        With the `request` (its body already read), work for a client that disconnects is skipped if it has not
+        started and stops at its next `disconnect.checkpoint()` if it has: an APIError 499 nobody reads.
         """
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._tokenizing)
+        if request is None:
+            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._tokenizing)
+        gone = threading.Event()
+        watcher = asyncio.create_task(disconnect.watch(request, gone))
+        try:
+            work = functools.partial(disconnect.run_unless_gone, gone, fn, *args, **kwargs)
+            return await anyio.to_thread.run_sync(work, limiter=self._tokenizing)
+        except disconnect.ClientGone:
+            raise APIError(499, "the client closed the request") from None
+        finally:
+            watcher.cancel()
 
     @property
     def api_keys(self) -> tuple[str, ...]:

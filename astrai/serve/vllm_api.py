@@ -105,7 +105,9 @@ def routes(state: ServerState, health: Any) -> list[Route]:
         return body
 
     async def tokenize_route(request: Request) -> Response:
-        return Response(await state.offload(tokenize_reply, await checked_body(request)), media_type=JSON)
+        return Response(
+            await state.offload(tokenize_reply, await checked_body(request), request=request), media_type=JSON
+        )
 
     async def detokenize_route(request: Request) -> Response:
         return Response(await state.offload(detokenize_reply, await checked_body(request)), media_type=JSON)

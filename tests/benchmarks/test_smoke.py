@@ -137,6 +137,8 @@ def test_soak_smoke_reports_json(tmp_path):
     assert report["kv"]["used_after"] == 0 and report["kv"]["free_after_reset"] == report["kv"]["pages_total"]
     by = {row["action"]: row for row in report["actions"]}
     assert by["stream"]["ok"] > 0 and by["bad"]["4xx"] > 0 and by["bad"]["5xx"] == 0
+    assert {"big_reply", "long_prompt", "embed", "salted", "slow_reader", "framing", "health"} <= set(by)
+    assert report["health"]["probes"] > 0 and report["peak_rss_mib"] >= report["rss_end_mib"] > 0
 
 
 def test_moe_smoke_reports_json(tmp_path):

@@ -169,7 +169,7 @@ def test_big_reply_does_not_stall_health_relative_to_the_same_stream(server, sta
     body = {"messages": USER, "n": 16, "max_tokens": 600, "logprobs": True, "top_logprobs": 20}
     streamed, _ = _worst_health_latency(server, {**body, "stream": True}, "/v1/chat/completions")
     whole, seconds = _worst_health_latency(server, body, "/v1/chat/completions")
-    assert whole < max(2 * streamed, 0.6), (whole, streamed, seconds)  # on the loop: ~2 s (issue 42: 13 s)
+    assert whole < max(2 * streamed, 1.0), (whole, streamed, seconds)  # on the loop: ~2 s (issue 42: 13 s)
 
 
 def test_big_echo_reply_does_not_stall_health(server, state):

@@ -115,3 +115,36 @@ def test_bad_cache_salts_are_400s_naming_the_field(engine, salt):
 def test_salting_by_key_needs_a_key(engine):
     with pytest.raises(ValueError, match="needs an api_key"):
         build_app(engine, cache_salt_by_api_key=True)
+
+
+def _route_body(route: str, prompt: str, salt: str | None) -> dict:
+    fields = {} if salt is None else {"cache_salt": salt}
+    if route == "/v1/responses":
+        return {"model": "m", "input": prompt, "max_output_tokens": 16, "temperature": 0, **fields}
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0,
+            **fields}  # fmt: skip
+
+
+def _radix_hits(client, engine, route: str, key: str, prompt: str, salt: str | None = None) -> int:
+    before = engine.radix.hit_tokens
+    reply = client.post(route, json=_route_body(route, prompt, salt),
+                        headers={"Authorization": f"Bearer {key}", "x-api-key": key})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    return engine.radix.hit_tokens - before
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_every_generating_route_is_salted_by_key(engine, route):
+    with _client(engine, cache_salt_by_api_key=True) as client:
+        _radix_hits(client, engine, route, KEYS[0], SECRET)
+        assert _radix_hits(client, engine, route, KEYS[1], SECRET) == 0  # another key: no page shared
+        assert _radix_hits(client, engine, route, KEYS[0], SECRET) > 0  # the same key: shared (positive control)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_chat_and_responses_take_a_cache_salt(engine, route):
+    with _client(engine) as client:
+        _radix_hits(client, engine, route, KEYS[0], SECRET, salt="alice")
+        assert _radix_hits(client, engine, route, KEYS[1], SECRET, salt="bob") == 0
+        assert _radix_hits(client, engine, route, KEYS[1], SECRET) == 0  # unsalted cannot reach salted pages
+        assert _radix_hits(client, engine, route, KEYS[1], SECRET, salt="alice") > 0  # the same salt shares

@@ -40,6 +40,9 @@ ROUTES = {
     "/detokenize",
     "/version",
     "/ping",
+    "/v1/responses",
+    "/v1/responses/{response_id}",
+    "/v1/models/{name:path}",
 }
 HOSTILE = "/v1/evil%22%7D%2042%0A%23%20HELP%20injected%20metric%0Ainjected_total%7Ba%3D%22"
 
