@@ -134,9 +134,25 @@ async def json_body(request: Request) -> dict[str, Any]:
     return parse_json(await request.body())
 
 
+_SPLITLINES_BREAKS = re.compile("[\x85\u2028\u2029]")
+
+
+def one_line(payload: str) -> str:
+    """JSON text with U+0085, U+2028 and U+2029 written as `\\u` escapes (the same JSON value).
+
+    JSON leaves them raw under `ensure_ascii=False`, and SSE does not count them as line ends, but clients that
+    split the stream with `str.splitlines` (httpx's `aiter_lines`, and scripts built on it) break an
+    event in two there; the soak found a generated token holding one. Only in strings can they occur in JSON.
+    """
+    if _SPLITLINES_BREAKS.search(payload) is None:  # the usual case: one scan, no copy
+        return payload
+    return _SPLITLINES_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", payload)
+
+
 def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
-    """One server-sent event; a blank line ends it (the framing the SDKs expect)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    """One server-sent event; a blank line ends it (the framing the SDKs expect). Its data is one line for every
+    client (`one_line`)."""
+    payload = one_line(data if isinstance(data, str) else json.dumps(data, ensure_ascii=False))
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
 
@@ -204,7 +220,7 @@ def _gil_friendly(encoder: json.JSONEncoder, content: Any) -> str:
 def sse_big(data: dict[str, Any]) -> str:
     """`sse(data)` for a big event (an echoed prompt's logprobs), GIL-friendly as `json_bytes(big=True)`: for
     `state.offload`."""
-    return f"data: {_gil_friendly(_SPACED, data)}\n\n"
+    return f"data: {one_line(_gil_friendly(_SPACED, data))}\n\n"
 
 
 ABORT_CONNECTION = "astrai.abort_connection"
