@@ -1,0 +1,232 @@
+"""Speculative decoding's host and device pieces: the config, the n-gram proposer, adaptive draft lengths and the
+two lossless verifiers.
+
+Decode reads every weight once per token, so one stream cannot pass the weight-read roofline; checking k proposed
+tokens in one target forward can. A *proposer* guesses up to k next tokens per sequence from host state; the
+target runs once over the k+1 positions (the last accepted token and the k guesses) and a *verifier* keeps the
+longest prefix the target agrees with, plus one token of its own, so each round emits 1..k+1 tokens.
+
+Two verifiers, both lossless (the output has exactly the target's distribution):
+
+- `coupled_accept`: the target draws each of the k+1 positions with the engine's own seeded sampler (noise keyed
+  by (seed, output index), `astrai.inference.noise`) and a guess is accepted while it equals that draw. Because
+  the draws use the same noise a run without speculation would use at the same output index, and every earlier
+  guess matched, the emitted tokens are *the very tokens* a run without speculation emits: greedy and seeded
+  sampling alike. For a deterministic proposal (n-gram, a greedy draft) a guess d is accepted with probability
+  p(d), as in Leviathan et al.'s rule with q one-hot, and a rejected position keeps the target's draw, which is p
+  conditioned on not being d, as their residual norm(max(0, p - q)) is.
+- `rejection_sample`: Leviathan et al. (2023) / Chen et al. (2023) for a draft that *samples* from its own
+  distribution q: accept guess d_i with probability min(1, p_i(d_i) / q_i(d_i)), on the first rejection draw from
+  norm(max(0, p_i - q_i)), and draw a bonus token from p_k when all k pass. Sync-free, batched, seeded by the same
+  counter-based noise (uniforms and draws from separate streams).
+
+Rejected guesses leave no trace: the caller rolls their KV slots back and never offers them to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from torch import Tensor
+
+from astrai.inference.noise import exponential_noise
+
+METHODS = ("ngram", "draft")
+_ALIASES = {"draft_model": "draft", "ngram": "ngram", "draft": "draft"}
+# vLLM's --speculative-config keys this engine reads ("model" is vLLM's name for the draft model's folder)
+_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                   "draft_model"})  # fmt: skip
+
+
+def _positive(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative config: {attribute.name} must be an integer >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeConfig:
+    """How the engine speculates (`EngineConfig.speculative`; vLLM's `--speculative-config` JSON, `parse`).
+
+    Attributes:
+        method: "ngram" (prompt lookup) or "draft" (a smaller model sharing the tokenizer).
+        num_speculative_tokens: k, the most tokens proposed per sequence and round.
+        prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (ngram; vLLM's defaults, 5).
+        draft_model: the draft model's folder or id (draft).
+    """
+
+    method: str = attrs.field(validator=attrs.validators.in_(METHODS))
+    num_speculative_tokens: int = attrs.field(validator=_positive)
+    prompt_lookup_min: int = attrs.field(default=5, validator=_positive)
+    prompt_lookup_max: int = attrs.field(default=5, validator=_positive)
+    draft_model: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is greater than "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError('speculative config: method "draft" needs "model" (the draft model\'s folder)')
+        if self.method == "ngram" and self.draft_model:
+            raise ValueError('speculative config: "model" is for method "draft"; ngram needs no model')
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """A config from vLLM's JSON (a string or a dict): `{"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4}` or `{"model": "path/to/draft", "num_speculative_tokens": 4}` (method "draft",
+        also spelt "draft_model"). None or an empty string: no speculation.
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key, a bad method or value (the message names it).
+        """
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative config is not valid JSON: {err}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
+        model = value.get("model") or value.get("draft_model")
+        method = value.get("method", "draft" if model else None)
+        if method not in _ALIASES:
+            raise ValueError(f"speculative config: method must be one of {sorted(_ALIASES)}, got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative config: num_speculative_tokens is required")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        extra = {}  # vLLM's defaults: 5 and 5; one given, the other takes its value
+        if low is not None or high is not None:
+            extra = {"prompt_lookup_min": low if low is not None else high,
+                     "prompt_lookup_max": high if high is not None else low}  # fmt: skip
+        return cls(method=_ALIASES[method], num_speculative_tokens=value["num_speculative_tokens"],
+                   draft_model=model, **extra)  # fmt: skip
+
+
+# ---- the n-gram proposer ------------------------------------------------------------------------------------------
+
+
+def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: up to `k` tokens that followed the latest earlier occurrence of the sequence's last n tokens.
+
+    n is tried from `n_max` down to `n_min`; the first n with a match wins, and among its matches the latest one
+    that has at least one token after it (the freshest context). `tokens` is the prompt followed by the output.
+    Empty when nothing matches (the sequence then decodes plainly this round). O(len(tokens) * n) numpy work.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    length = arr.shape[0]
+    if k <= 0:
+        return []
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        if n <= 0:
+            break
+        pattern = arr[length - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0 .. length - 1 - n
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the token after the latest match (< length: the match ends before the end)
+            return arr[start : start + k].tolist()
+    return []
+
+
+# ---- adaptive draft length ----------------------------------------------------------------------------------------
+
+
+@attrs.define
+class AdaptiveK:
+    """A sequence's draft length: shrinks towards 0 while its guesses are rejected, grows back when they pass.
+
+    Keeps an exponential moving average of the accepted fraction; the next k is the largest whose expected gain
+    pays for checking it (`ceil(k_max * rate)`, 0 below `floor`). At 0 the sequence still probes with one guess
+    every `probe_every` rounds, so a workload that starts copying later is noticed. A workload with nothing to
+    copy thus costs a probe now and then, not k wasted rows every step.
+    """
+
+    k_max: int
+    rate: float = 1.0
+    floor: float = 0.2
+    decay: float = 0.5
+    probe_every: int = 8
+    _idle: int = 0
+
+    def next_k(self) -> int:
+        """The number of tokens to propose this round."""
+        if self.rate >= self.floor:
+            return max(1, min(self.k_max, int(np.ceil(self.k_max * self.rate))))
+        self._idle += 1
+        if self._idle >= self.probe_every:
+            self._idle = 0
+            return 1
+        return 0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Record a round: `accepted` of `proposed` guesses passed (rounds without guesses change nothing)."""
+        if proposed > 0:
+            self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
+
+
+# ---- verification --------------------------------------------------------------------------------------------------
+
+
+def coupled_accept(draft: Tensor, sampled: Tensor, num_draft: Tensor) -> Tensor:
+    """How many guesses pass exact-match verification against the target's own draws.
+
+    Args:
+        draft: [B, k] i64 guesses (rows with fewer than k guesses padded with anything).
+        sampled: [B, k + 1] i64 the target's draws at the k + 1 positions (the engine's seeded sampler, fed the
+            guesses as context).
+        num_draft: [B] i64 guesses per row (0..k).
+
+    Returns:
+        [B] i64 accepted guesses a (0..num_draft): the row emits `sampled[:, : a + 1]`.
+    """
+    k = draft.shape[1]
+    match = (draft == sampled[:, :k]) & (torch.arange(k, device=draft.device)[None, :] < num_draft[:, None])
+    return match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # the length of the all-True prefix
+
+
+_UNIFORM_STREAM = 0x5EC0 << 40  # the acceptance uniforms' step tag: never a step the token draws use
+
+
+def rejection_sample(target_probs: Tensor, draft_probs: Tensor, draft: Tensor, seed: Tensor, step: Tensor
+                     ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Leviathan et al. / Chen et al. verification of sampled guesses, for every row at once (no host sync).
+
+    Args:
+        target_probs: [B, k + 1, V] the target's (processed) distributions at the k + 1 positions.
+        draft_probs: [B, k, V] the draft's distributions its guesses were drawn from.
+        draft: [B, k] i64 the guesses.
+        seed: [B] i64 the rows' seeds.
+        step: [B] i64 the output index of the first position (position i draws with step + i).
+
+    Returns:
+        (accepted [B] i64 in 0..k, tokens [B, k + 1] i64): the row emits `tokens[:, : accepted + 1]`; tokens[:, i]
+        for i < accepted is the guess, tokens[:, accepted] the residual draw (or the bonus when all k pass).
+    """
+    batch, k1, vocab = target_probs.shape
+    k = k1 - 1
+    positions = torch.arange(k1, device=draft.device)
+    steps = (step[:, None] + positions[None, :]).reshape(-1)  # [B * (k + 1)]
+    seeds = seed[:, None].expand(batch, k1).reshape(-1)
+    p_guess = target_probs[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, k]
+    q_guess = draft_probs.gather(-1, draft[..., None]).squeeze(-1)
+    uniform = torch.exp(-exponential_noise(seeds, steps ^ _UNIFORM_STREAM, 1)).view(batch, k1)[:, :k]
+    # u < p / q  <=>  u * q < p (q > 0 for a guess the draft drew); min(1, .) is implied by u < 1
+    passed = uniform * q_guess < p_guess
+    accepted = passed.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    residual = torch.cat([(target_probs[:, :k] - draft_probs).clamp(min=0), target_probs[:, k:]], dim=1)
+    # a residual that is all zero (p == q exactly) cannot be reached by a rejection; fall back to p to stay finite
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_probs, residual)
+    noise = exponential_noise(seeds, steps, vocab).view(batch, k1, vocab)
+    draws = (residual / noise).argmax(dim=-1)  # [B, k + 1]: the residual draw at each position, the bonus at k
+    keep = positions[None, :] < accepted[:, None]
+    guesses = torch.cat([draft, draft[:, :1]], dim=1)
+    return accepted, torch.where(keep, guesses, draws)
