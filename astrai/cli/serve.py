@@ -114,6 +114,9 @@ class ServeConfig(ModelArgs):
     fuse_projections: Literal["auto", "on", "off"] = "auto"
     """Serve q/k/v and gate/up of each block as one projection each (two GEMMs instead of five per block; costs
     those weights' memory once more). auto: on CUDA when the copy fits, off on CPU (no consistent gain there)."""
+    speculative_config: str | None = None
+    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    (prompt lookup; the output is the same tokens, fewer forwards when it copies the prompt). docs/inference.md."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """vLLM's flag: fcfs admits requests by arrival; priority by each request's `priority` field first (lower is
     sooner, then arrival), and preempts the highest value first. Under fcfs a non-zero `priority` is a 400."""
@@ -194,7 +197,7 @@ def engine_config(cfg: ServeConfig):
                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
                         fuse_projections={"auto": None, "on": True, "off": False}[cfg.fuse_projections],
                         tensor_parallel_size=cfg.tensor_parallel_size, overlap_schedule=cfg.async_scheduling,
-                        scheduling_policy=cfg.scheduling_policy)  # fmt: skip
+                        scheduling_policy=cfg.scheduling_policy, speculative=cfg.speculative_config)  # fmt: skip
 
 
 def _prepare_grammar(engine: Engine) -> None:

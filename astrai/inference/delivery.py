@@ -59,18 +59,28 @@ class SeqText:
         self._emitted_tokens = len(seq.outputs)
         text = ""
         if self._detok is not None and not self.stopped:
-            for token in new:
+            for j, token in enumerate(new):
                 if seq.finish_reason == "stop" and token == seq.outputs[-1] and token in seq.stop_ids:
                     break  # the stop token itself adds no text
                 piece, self.stopped = self._stops.feed(self._detok.add(token))
                 text += piece
-                if self.stopped:
+                if self.stopped:  # a step that kept several tokens (speculation) drops those after the stop
+                    new = _truncate(seq, first + j + 1, new[: j + 1])
+                    self._emitted_tokens = len(seq.outputs)
                     break
             if seq.finished and not self.stopped:
                 piece, self.stopped = self._stops.feed(self._detok.flush())
                 text += piece + ("" if self.stopped else self._stops.flush())
         self.text += text
         return text, new, first
+
+
+def _truncate(seq: Seq, length: int, new: list[int]) -> list[int]:
+    """Cut `seq`'s outputs (and their logprobs) to `length` tokens; returns `new` (its kept new tokens)."""
+    del seq.outputs[length:]
+    del seq.logprobs[length:]
+    del seq.top_logprobs[length:]
+    return new
 
 
 class RequestDelivery:

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import attrs
 
+from astrai.inference import speculative
 from astrai.inference.budget import kv_pool_pages, pool_max_model_len
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
@@ -83,6 +84,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len,
                                    policy=cfg.scheduling_policy)  # fmt: skip
+        if cfg.speculative is not None:
+            self.scheduler.propose = speculative.proposer(cfg.speculative)
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=cfg.max_running,
                          compile_prefill=cfg.compile_prefill, max_model_len=self.max_model_len,
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
@@ -135,6 +138,8 @@ class Engine:
                                                        else frozenset(self.model.eos_token_ids))  # fmt: skip
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seqs = split_n(ids, params, request_id, seed, next(self._arrival), stop_ids)
+        if self.config.speculative is not None:
+            speculative.attach(seqs, self.config.speculative)
         if grammar is not None:
             for seq in seqs:
                 seq.matcher = new_matcher(grammar)
@@ -335,8 +340,10 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counters and KV usage (read without stopping the engine; may be one step stale)."""
         cached = self.radix.num_cached_pages if self.radix is not None else 0
-        s = self.scheduler.stats
+        s, spec = self.scheduler.stats, self.scheduler.spec_stats
         return EngineStats(
+            spec_drafts=spec.drafts, spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_hist=tuple(spec.accepted_hist),
             running=len(self.scheduler.running), waiting=self._waiting_seqs(),
             kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.num_used - cached,
             kv_pages_cached=cached, kv_pages_free=self.pool.num_free,

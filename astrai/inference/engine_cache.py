@@ -27,6 +27,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 from rich.console import Console
@@ -35,6 +36,7 @@ from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.errors import EngineInputError
 from astrai.inference.outputs import Completion
 from astrai.inference.params import SamplingParams
+from astrai.inference.speculative import SpeculativeConfig
 from astrai.io.model import Model
 from astrai.ops.attention import pages_needed
 
@@ -71,9 +73,11 @@ def _needs(prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[in
     return kv, len(prompts) * params.n
 
 
-def _config(kv_tokens: int, rows: int, *, compile: bool) -> EngineConfig:
+def _config(kv_tokens: int, rows: int, *, compile: bool, speculative: SpeculativeConfig | None = None
+            ) -> EngineConfig:  # fmt: skip
     return EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=kv_tokens, max_running=rows,
-                        max_step_tokens=max(2048, rows), compile=compile, background=False)  # fmt: skip
+                        max_step_tokens=max(2048, rows), compile=compile, background=False,
+                        speculative=speculative)  # fmt: skip
 
 
 def _drop(key: int) -> None:
@@ -155,21 +159,27 @@ def run_once(model: Model, prompts: Sequence[Sequence[int]], params: SamplingPar
         return _generate(engine, prompts, params)
 
 
-def run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-    """Generate on the model's cached engine (built, or rebuilt bigger, when this call does not fit it)."""
+def run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, *, speculative: Any = None
+        ) -> list[Completion]:  # fmt: skip
+    """Generate on the model's cached engine (built, or rebuilt bigger, when this call does not fit it, or with
+    the `speculative` config asked for when it differs)."""
     if not prompts:
         raise ValueError("no prompts given")
+    if not isinstance(speculative, SpeculativeConfig):
+        speculative = SpeculativeConfig.parse(speculative)
     kv, rows = _needs(prompts, params)
     slot = _slot(model)
     with slot.lock:
         engine = slot.engine
-        if engine is None or engine.config.kv_budget_tokens < kv or engine.config.max_running < rows:
+        if (engine is None or engine.config.kv_budget_tokens < kv or engine.config.max_running < rows
+                or engine.config.speculative != speculative):  # fmt: skip
             old = engine.config if engine is not None else None
             _shutdown(slot)  # its KV pool goes before the bigger one is allocated
             kv_tokens = max(_pow2(max(kv, MIN_KV_TOKENS)), old.kv_budget_tokens if old else 0)
             max_rows = max(_pow2(rows), old.max_running if old else 0)
             # the engine serves a copy sharing the tensors: the cache must not keep `model` itself alive
-            engine = slot.engine = Engine(attrs.evolve(model), _config(kv_tokens, max_rows, compile=COMPILE))
+            config = _config(kv_tokens, max_rows, compile=COMPILE, speculative=speculative)
+            engine = slot.engine = Engine(attrs.evolve(model), config)
         engine.invalidate_prefix_cache()  # weights may have changed in place since the last call
         compiling = engine.config.compile and (rows > 1) not in slot.batched
         try:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+
+from astrai.inference.speculative import SpeculativeConfig
+
+
+def _speculative(value: Any) -> SpeculativeConfig | None:
+    return value if value is None or isinstance(value, SpeculativeConfig) else SpeculativeConfig.parse(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +75,12 @@ class EngineConfig:
     scheduling_policy: str = attrs.field(default="fcfs", validator=attrs.validators.in_(("fcfs", "priority")))
     """vLLM's `--scheduling-policy`: "fcfs" admits and preempts by arrival; "priority" by (SamplingParams.priority,
     arrival): a lower value is admitted first, runs first within a step's budget and is preempted last."""
+    speculative: SpeculativeConfig | None = attrs.field(default=None, converter=_speculative)
+    """Speculative decoding (`astrai.inference.speculative`; a `SpeculativeConfig`, or vLLM's
+    `--speculative-config` JSON as a string or dict): "ngram" (prompt lookup) guesses up to
+    `num_speculative_tokens` tokens per decoding sequence and step, verified in one forward; the output is the
+    very tokens a run without it gives (greedy and seeded sampling). Sequences with a grammar decode plainly. The
+    "draft" method is not built yet (a clear error). Needs `overlap_schedule` off and one rank."""
     background: bool = True
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
@@ -78,6 +92,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative is not None:
+            if self.speculative.method == "draft":
+                raise ValueError('speculative decoding with a draft model ("method": "draft") is not built yet: '
+                                 'use "method": "ngram"')  # fmt: skip
+            if self.overlap_schedule or self.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding needs overlap_schedule off and tensor_parallel_size=1")
         if self.overlap_schedule and self.tensor_parallel_size > 1:
             raise ValueError(
                 "overlap_schedule (astrai serve --async-scheduling) needs tensor_parallel_size=1: the ranks "
@@ -101,3 +121,7 @@ class EngineStats:
     generation_tokens_per_s: float
     preemptions: int
     steps: int
+    spec_drafts: int = 0  # speculative decoding: verified rounds that had guesses
+    spec_draft_tokens: int = 0  # guesses proposed
+    spec_accepted_tokens: int = 0  # guesses accepted
+    spec_accepted_hist: tuple[int, ...] = ()  # [a]: rounds that accepted exactly a guesses

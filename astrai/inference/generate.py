@@ -16,13 +16,15 @@ vLLM's chat route do.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from astrai.inference import engine_cache
 from astrai.inference.outputs import Completion
 from astrai.inference.params import SamplingParams
+from astrai.inference.speculative import SpeculativeConfig
 from astrai.io.model import Model
 
 
@@ -69,8 +71,9 @@ def _is_id(value: object) -> bool:
     return True
 
 
-def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-    return engine_cache.run(model, prompts, params)
+def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, speculative: Any = None
+         ) -> list[Completion]:  # fmt: skip
+    return engine_cache.run(model, prompts, params, speculative=speculative)
 
 
 def generate(
@@ -85,6 +88,7 @@ def generate(
     stop: str | Sequence[str] = (),
     stop_token_ids: Sequence[int] | None = None,
     add_special_tokens: bool = True,
+    speculative: SpeculativeConfig | Mapping[str, Any] | str | None = None,
 ) -> list[str]:
     """Complete each prompt (text or token ids); returns the generated text per prompt.
 
@@ -108,6 +112,9 @@ def generate(
         stop_token_ids: ids that end a completion; None means the model's eos ids.
         add_special_tokens: text prompts: run the tokenizer's post-processor (a leading BOS), never doubling a
             BOS the text already starts with (`Tokenizer.encode_prompt`); False: encode the text as it is.
+        speculative: speculative decoding (`SpeculativeConfig`, or vLLM's `--speculative-config` JSON as a dict or
+            string, e.g. `{"method": "ngram", "num_speculative_tokens": 4}`): the same text, fewer forwards when
+            the output repeats its prompt (the engine is rebuilt when this changes between calls).
 
     Returns:
         the completion text per prompt (special tokens left out), in prompt order; a single string prompt gives
@@ -121,7 +128,8 @@ def generate(
     if model.tokenizer is None:
         raise ValueError("this model has no tokenizer: use generate_ids with token-id prompts")
     params = _params(max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids)
-    return [c.outputs[0].text for c in _run(model, _prompt_ids(model, prompts, add_special_tokens), params)]
+    ids = _prompt_ids(model, prompts, add_special_tokens)
+    return [c.outputs[0].text for c in _run(model, ids, params, speculative)]
 
 
 def generate_ids(

@@ -15,12 +15,18 @@ from astrai.inference.seq import Seq
 
 @attrs.frozen
 class ScheduledSeq:
-    """One sequence's share of a step: feed `all_tokens[start : start + num_new]`; sample if `sample`."""
+    """One sequence's share of a step: feed `all_tokens[start : start + num_new]`; sample if `sample`.
+
+    With a `draft` (speculative decoding, `astrai.inference.speculative`) the step feeds the sequence's last token
+    followed by the k guessed tokens (`num_new` = 1 + k) and samples at each of those k + 1 positions; the runner
+    then returns k + 1 `SampledToken`s for the entry, and `Scheduler.update` keeps the guesses the draws confirm.
+    """
 
     seq: Seq
     start: int
     num_new: int
     sample: bool
+    draft: tuple[int, ...] = ()
 
 
 class SampledToken(NamedTuple):

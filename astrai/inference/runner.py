@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -93,6 +94,7 @@ class Launched(NamedTuple):
 
     `rows[seq]` is the row of `tokens` (the sampled ids, on the device) that holds `seq`'s token: a next step
     planned before this one is collected feeds that row (a placeholder `-1 - row`, resolved on the device).
+    `spans[j]`: the sampled rows of `sampling[j]`, in order (1, or k + 1 for an entry with k guesses).
     """
 
     sampling: list[int]
@@ -100,6 +102,7 @@ class Launched(NamedTuple):
     tokens: Tensor | None
     host: SampleOutput | None
     ready: torch.cuda.Event | None
+    spans: list[int] | None = None
 
 
 def resolve_placeholders(tokens: Tensor, previous: Tensor) -> Tensor:
@@ -305,12 +308,14 @@ class ModelRunner:
         placeholder `-1 - row` of that token's row in `previous` (`resolve_placeholders`)."""
         tokens = []
         for item in plan:
-            ids = item.seq.tokens(item.start, item.start + item.num_new)
-            if len(ids) < item.num_new:
+            real = item.num_new - len(item.draft)  # a speculating entry feeds its last token, then the guesses
+            ids = item.seq.tokens(item.start, item.start + real)
+            if len(ids) < real:
                 if previous is None or item.seq not in previous.rows:
                     raise RuntimeError(f"request {item.seq.id}: a step feeds a token no step in flight samples")
                 ids.append(-1 - previous.rows[item.seq])
             tokens += ids
+            tokens += item.draft
         tokens += [0] * (rows - len(plan))  # padding rows feed token 0
         meta = make_attn_meta([item.seq.pages for item in plan], [item.start for item in plan],
                               [item.num_new for item in plan], page_size=self.page_size, device="cpu",
@@ -343,9 +348,11 @@ class ModelRunner:
         if self.compiled_prefill is not None:
             requests += prefill_padding(len(plan), sum(item.num_new for item in plan))
         tokens, meta = self._host_meta(plan, decode=False, rows=requests, width=self._width(plan), previous=previous)
-        rows = logits_rows(meta)[torch.tensor(sampling, dtype=torch.long)]  # each sampled sequence's last token
-        if self.compiled_prefill is not None and len(sampling) < PREFILL_MIN_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(PREFILL_MIN_ROWS - len(sampling))])  # dropped after the forward
+        last = logits_rows(meta).tolist()  # each sequence's last token; a speculating one samples k rows before it
+        rows = torch.tensor([r for i in sampling for r in range(last[i] - len(plan[i].draft), last[i] + 1)],
+                            dtype=torch.long)  # fmt: skip
+        if self.compiled_prefill is not None and len(rows) < PREFILL_MIN_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(PREFILL_MIN_ROWS - len(rows))])  # dropped after the forward
         return StepInputs("prefill", tokens, meta, rows)
 
     def run(self, step: StepInputs) -> Tensor:
@@ -381,17 +388,20 @@ class ModelRunner:
         if previous is not None and previous.tokens is not None and int(step.tokens.min()) < 0:  # a host tensor
             step = step._replace(tokens=resolve_placeholders(upload(step.tokens, self.device),
                                                              previous.tokens))  # fmt: skip
-        logits = self.run(step)[: len(sampling)]  # drops a compiled prefill's padding
+        # one sampled row per entry; k + 1 for an entry with k guesses, each drawn as if the guesses before it
+        # had been accepted (its context, its output index)
+        draws = [(plan[i].seq, plan[i].draft[:j]) for i in sampling for j in range(len(plan[i].draft) + 1)]
+        logits = self.run(step)[: len(draws)]  # drops a compiled prefill's padding
         if not sampling:
             return Launched(sampling, {}, None, None, None)
-        seqs = [plan[i].seq for i in sampling]
-        out = self._launch_sample(logits, seqs, vocab_size)
+        out = self._launch_sample(logits, draws, vocab_size)
         host, ready = out, None
         if self.cuda:  # start the copies back now; `collect` waits for them only
             host = tree_map(lambda t: t.to("cpu", non_blocking=True), out)
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(sampling, {seq: j for j, seq in enumerate(seqs)}, out.tokens, host, ready)
+        spans = [len(plan[i].draft) + 1 for i in sampling]
+        return Launched(sampling, {seq: j for j, (seq, _) in enumerate(draws)}, out.tokens, host, ready, spans)
 
     def collect(self, launched: Launched) -> dict[int, SampledToken]:
         """Wait for a launched step's sampled tokens (only for that step: a later one may still run) and return
@@ -400,18 +410,25 @@ class ModelRunner:
             return {}
         if launched.ready is not None:
             launched.ready.synchronize()
-        out, seqs = launched.host, list(launched.rows)
+        out = launched.host
         tokens = out.tokens.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(seqs)
+        lps = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
         tops = None
         if out.top_ids is not None:
             tops = [list(zip(i, lp, strict=True)) for i, lp in zip(out.top_ids.tolist(), out.top_logprobs.tolist(),
                                                                    strict=True)]  # fmt: skip
-        result = {}
-        for j, (i, seq) in enumerate(zip(launched.sampling, seqs, strict=True)):
-            logprob = lps[j] if (seq.params.logprobs or seq.params.top_logprobs) else None
-            alternatives = tops[j][: seq.params.top_logprobs] if (tops and seq.params.top_logprobs) else None
-            result[i] = SampledToken(tokens[j], logprob, alternatives)
+        spans = launched.spans or [1] * len(launched.sampling)
+        result, j = {}, 0
+        # `rows` holds one key per sampled entry, in entry order (a speculating entry's key maps to its last row)
+        for i, span, seq in zip(launched.sampling, spans, launched.rows, strict=True):
+            params = seq.params
+            drawn = []
+            for row in range(j, j + span):
+                logprob = lps[row] if (params.logprobs or params.top_logprobs) else None
+                alternatives = tops[row][: params.top_logprobs] if (tops and params.top_logprobs) else None
+                drawn.append(SampledToken(tokens[row], logprob, alternatives))
+            result[i] = drawn[0] if span == 1 else drawn  # k + 1 draws for an entry with k guesses
+            j += span
         return result
 
     def _grammar_bitmask(self, seqs: list[Seq], vocab_size: int) -> Tensor | None:
@@ -433,18 +450,23 @@ class ModelRunner:
                 mask[j, token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # bit 31 is the int32 sign bit
         return mask.to(self.device, non_blocking=True)
 
-    def _launch_sample(self, logits: Tensor, seqs: list[Seq], vocab_size: int) -> SampleOutput:
-        """Queue the sampler on the step's sampled rows; the tokens stay on the device."""
+    def _launch_sample(self, logits: Tensor, draws: list[tuple[Seq, tuple[int, ...]]], vocab_size: int
+                       ) -> SampleOutput:  # fmt: skip
+        """Queue the sampler on the step's sampled rows; the tokens stay on the device. A row is (its sequence,
+        the guesses before it): a guessed row draws at the output index and with the penalty counts it would
+        have once those guesses are accepted, so an accepted guess is exactly the token a plain run draws there."""
+        seqs = [s for s, _ in draws]
         if any(s.in_flight > 1 and needs_outputs(s) for s in seqs):
             raise RuntimeError("a sequence with penalties or a grammar was planned before its last token came back")
         top = max(s.params.top_logprobs for s in seqs)
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
         bitmask = self._grammar_bitmask(seqs, vocab_size)  # the forward is already launched: overlaps on CUDA
+        outputs = [np.concatenate([s.output_array(), before]) if before else s.output_array() for s, before in draws]
         # copied without a host sync (`upload`); `steps` counts the tokens drawn before this one
         batch = make_sampling_batch(
             [s.params for s in seqs], seeds=[s.seed for s in seqs],
-            steps=[len(s.outputs) + s.in_flight - 1 for s in seqs], vocab_size=vocab_size, device=self.device,
-            prompts=[s.prompt_array() for s in seqs], outputs=[s.output_array() for s in seqs],
+            steps=[len(s.outputs) + s.in_flight - 1 + len(before) for s, before in draws], vocab_size=vocab_size,
+            device=self.device, prompts=[s.prompt_array() for s in seqs], outputs=outputs,
             stop_ids=[sorted(s.stop_ids) for s in seqs], grammar_bitmask=bitmask,
         )  # fmt: skip
         return self._sampler(logits[:, :vocab_size], batch, top_logprobs=top, want_logprobs=want)

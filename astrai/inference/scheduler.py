@@ -21,12 +21,20 @@ with "stop" at once, without sampling the EOS; a failed matcher ends it with "er
 
 Pages are cached in the radix as soon as their K/V are fully computed (at prefill completion, on preemption
 and at finish), so concurrent requests with a shared prefix and the n > 1 siblings of a request reuse them.
+
+Speculative decoding (`propose` set by the engine): a decoding sequence that gets guesses from the proposer is
+planned with them (`ScheduledSeq.draft`: its last token and k guesses, k + 1 sampled positions, all counted
+against the step's token budget). `update` keeps the guesses the target's draws confirm plus the first draw that
+differs (`speculative.coupled_accept`'s rule), checks stops token by token, and rolls the rest back: `num_computed`
+returns to the last kept token and the pages past it go back to the pool, so a rejected guess leaves no trace
+(the radix only ever caches `all_tokens[:num_computed]`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -35,6 +43,7 @@ from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
 from astrai.inference.seq import Seq, Status
+from astrai.inference.speculative import SpecStats
 from astrai.ops.attention import pages_needed
 
 logger = logging.getLogger(__name__)
@@ -66,6 +75,9 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.stats = SchedulerStats()
+        # speculative decoding: guesses for a decoding sequence, at most the given count (None: no speculation)
+        self.propose: Callable[[Seq, int], Sequence[int]] | None = None
+        self.spec_stats = SpecStats()
 
     # ---- queue management ----------------------------------------------------------------------------
     def order(self, seq: Seq) -> tuple[int, int, int]:
@@ -172,6 +184,10 @@ class Scheduler:
             if seq.in_flight and len(seq.outputs) + seq.in_flight >= seq.params.max_tokens:
                 continue
             n = min(seq.num_tokens + seq.in_flight - seq.num_computed, budget)
+            draft = self._draft(seq, budget) if n == 1 and self.propose is not None else ()
+            if draft and not self._grow(seq, seq.num_computed + 1 + len(draft)):
+                draft = ()  # no pages for the guesses: decode plainly rather than preempt for them
+            n += len(draft)
             while not self._grow(seq, seq.num_computed + n):
                 victim = max((s for s in self.running if s is not seq), key=self.order, default=None)
                 if victim is None:  # alone and still short: impossible after admission checks, but never hang
@@ -182,19 +198,31 @@ class Scheduler:
                         victim.in_flight -= p.sample
                 plan = [p for p in plan if p.seq is not victim]
                 self._preempt(victim)
-            plan.append(self._commit(seq, n))
+            plan.append(self._commit(seq, n, draft))
             budget -= n
         plan += self._admit(budget)
         self.stats.steps += bool(plan)
         return plan
 
     @staticmethod
-    def _commit(seq: Seq, n: int) -> ScheduledSeq:
-        """Plan `n` new tokens of `seq` (the step samples when they reach its end) and advance it past them."""
-        item = ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens + seq.in_flight)
+    def _commit(seq: Seq, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
+        """Plan `n` new tokens of `seq` (the step samples when they reach its end) and advance it past them; with
+        a `draft`, the last `len(draft)` of them are the guesses."""
+        end = seq.num_tokens + seq.in_flight + len(draft)
+        item = ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == end, draft)
         seq.num_computed += n
         seq.in_flight += item.sample
         return item
+
+    def _draft(self, seq: Seq, budget: int) -> tuple[int, ...]:
+        """The proposer's guesses for a decoding sequence: as many as its adaptive k allows, within the step's
+        budget, its `max_tokens` (the last token is always a draw) and the model's length; none for a sequence
+        with a grammar or a token in flight."""
+        if seq.spec is None or seq.matcher is not None or seq.in_flight:
+            return ()
+        room = min(seq.params.max_tokens - len(seq.outputs) - 1, budget - 1, self.max_model_len - seq.num_tokens - 1)
+        k = min(seq.spec.next_k(), room)
+        return tuple(self.propose(seq, k))[:k] if k > 0 else ()
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         plan = []
@@ -245,6 +273,10 @@ class Scheduler:
             seq = item.seq
             if seq.finished:
                 continue
+            if item.draft:
+                if self._update_speculative(item, sampled[i]):
+                    finished.append(seq)
+                continue
             end = item.start + item.num_new
             self.stats.prefill_tokens += max(0, min(end, len(seq.prompt)) - item.start)
             if item.sample:
@@ -266,6 +298,35 @@ class Scheduler:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _update_speculative(self, item: ScheduledSeq, draws: Sequence[SampledToken]) -> bool:
+        """Keep the confirmed guesses and the first differing draw, token by token with their stops; roll the
+        rest back. True when the sequence finished."""
+        seq, draft = item.seq, item.draft
+        seq.in_flight -= 1
+        accepted = 0
+        while accepted < len(draft) and draws[accepted].token == draft[accepted]:
+            accepted += 1
+        seq.spec.update(len(draft), accepted)
+        self.spec_stats.record(len(draft), accepted)
+        for token, logprob, top in draws[: accepted + 1]:
+            self.stats.decode_tokens += 1
+            seq.outputs.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
+            reason = seq.check_stop()
+            if reason is not None:
+                seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)  # no K/V past the kept tokens
+                self.finish(seq, reason)
+                return True
+        seq.num_computed = item.start + 1 + accepted  # the last token and the confirmed guesses have K/V
+        keep = pages_needed(seq.num_computed + 1, self.page_size)
+        if len(seq.pages) > keep:  # the rejected guesses' pages go back to the pool
+            self.pool.decref(seq.pages[keep:])
+            del seq.pages[keep:]
+        return False
 
     @staticmethod
     def _grammar_stop(seq: Seq, token: int) -> str | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -91,6 +91,7 @@ class Seq:
     matcher: Matcher | None = None
     steering: Steering | None = None  # budget-aware closing of a constrained sequence (created on first use)
     error: str | None = None
+    spec: Any = None  # speculative decoding's `AdaptiveK` for this sequence (None: it does not speculate)
     _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
     _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
     _output_synced: int = attrs.field(default=0, init=False, repr=False)

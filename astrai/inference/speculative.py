@@ -26,8 +26,8 @@ Rejected guesses leave no trace: the caller rolls their KV slots back and never 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -35,6 +35,9 @@ import torch
 from torch import Tensor
 
 from astrai.inference.noise import exponential_noise
+
+if TYPE_CHECKING:
+    from astrai.inference.seq import Seq
 
 METHODS = ("ngram", "draft")
 _ALIASES = {"draft_model": "draft", "ngram": "ngram", "draft": "draft"}
@@ -136,6 +139,22 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max:
     return []
 
 
+def proposer(config: SpeculativeConfig) -> Callable[[Seq, int], list[int]]:
+    """The scheduler's `propose(seq, k)` for `config` (ngram: prompt lookup over the prompt and the output)."""
+    low, high = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def ngram(seq: Seq, k: int) -> list[int]:
+        return propose_ngram(np.concatenate([seq.prompt_array(), seq.output_array()]), k, low, high)
+
+    return ngram
+
+
+def attach(seqs: Sequence[Seq], config: SpeculativeConfig) -> None:
+    """Give each new sequence its adaptive draft length (the scheduler proposes only for sequences that have one)."""
+    for seq in seqs:
+        seq.spec = AdaptiveK(k_max=config.num_speculative_tokens)
+
+
 # ---- adaptive draft length ----------------------------------------------------------------------------------------
 
 
@@ -170,6 +189,32 @@ class AdaptiveK:
         """Record a round: `accepted` of `proposed` guesses passed (rounds without guesses change nothing)."""
         if proposed > 0:
             self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
+
+
+@attrs.define
+class SpecStats:
+    """Counters since start (vLLM's spec-decode metrics): rounds with guesses (`drafts`), guesses, accepted
+    guesses, and `accepted_hist[a]`: the rounds that accepted exactly a guesses (the acceptance-length histogram;
+    a round emits a + 1 tokens)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_hist: list[int] = attrs.Factory(list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Count one verified round."""
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        if len(self.accepted_hist) <= accepted:
+            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified round (accepted guesses + the target's own draw); 0 before any round."""
+        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0
 
 
 # ---- verification --------------------------------------------------------------------------------------------------

@@ -84,10 +84,19 @@ class VLLMMetrics:
              stats.preemptions),
             ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", prompt),
             ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", generated),
+            ("vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.", stats.spec_drafts),
+            ("vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.", stats.spec_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.",
+             stats.spec_accepted_tokens),
         ]  # fmt: skip
         lines = []
         for name, kind, doc, value in scalars:
             lines += family(name, kind, doc, [f"{name}{{{labels}}} {number(value)}"])
+        hist = stats.spec_accepted_hist  # [a]: rounds that accepted exactly a guesses
+        lines += family("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                        "Accepted draft tokens per draft position.",
+                        [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} '
+                         f"{sum(hist[i + 1 :])}" for i in range(max(len(hist) - 1, 0))])  # fmt: skip
         reasons = sorted({"stop", "length", "abort", *self.finished})
         lines += family("vllm:request_success_total", "counter", "Count of successfully processed requests.",
                         [f'vllm:request_success_total{{{labels},finished_reason="{escape_label(r)}"}} '

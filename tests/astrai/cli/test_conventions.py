@@ -173,7 +173,8 @@ def test_serve_passes_its_flags_to_the_engine_the_app_and_uvicorn(gen_model_dir,
     monkeypatch.setattr(server_mod, "GracefulServer", FakeServer)
     base = ["serve", str(gen_model_dir), "--no-compile", "--no-cuda-graphs", "--port", "0"]
     main([*base, "--api-key", "k", "--enable-log-requests", "--log-level", "debug", "--generation-config", "none",
-          "--max-num-seqs", "3", "--seed", "7", "--max-model-len", "64", "--allowed-origins", "http://a"])  # fmt: skip
+          "--max-num-seqs", "3", "--seed", "7", "--max-model-len", "64", "--allowed-origins", "http://a",
+          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])  # fmt: skip
     main(base)
     flags, plain = built
     for run in built:
@@ -183,6 +184,8 @@ def test_serve_passes_its_flags_to_the_engine_the_app_and_uvicorn(gen_model_dir,
     assert flags["api_key"] == ("k",) and flags["model_name"] == plain["model_name"] == "m"
     engine = flags["engine"]
     assert (engine.config.max_running, engine.config.seed, engine.max_model_len) == (3, 7, 64)
+    spec = engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3) and plain["engine"].config.speculative is None
     assert flags["uvicorn"]["log_level"] == "debug" and plain["uvicorn"]["log_level"] == "info"
     assert flags["uvicorn"]["log_config"]["loggers"]["astrai"]["level"] == "DEBUG"
     assert type(flags["app"]).__name__ == "CORSMiddleware" and type(plain["app"]).__name__ == "Starlette"
