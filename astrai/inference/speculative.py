@@ -119,9 +119,11 @@ class SpeculativeConfig:
 def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Prompt lookup: up to `k` tokens that followed the latest earlier occurrence of the sequence's last n tokens.
 
-    n is tried from `n_max` down to `n_min`; the first n with a match wins, and among its matches the latest one
-    that has at least one token after it (the freshest context). `tokens` is the prompt followed by the output.
-    Empty when nothing matches (the sequence then decodes plainly this round). O(len(tokens) * n) numpy work.
+    n is tried from `n_max` down to `n_min`; the first n with a match wins. Among its matches the latest one with
+    k tokens after it is taken (the freshest context), else the one with the most tokens after it (the earliest):
+    in a repeating output the latest match ends one token before the end and would propose one token where an
+    earlier one proposes k. `tokens` is the prompt followed by the output. Empty when nothing matches (the
+    sequence then decodes plainly this round). O(len(tokens) * n) numpy work.
     """
     arr = np.asarray(tokens, dtype=np.int64)
     length = arr.shape[0]
@@ -134,7 +136,8 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max:
         windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0 .. length - 1 - n
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n  # the token after the latest match (< length: the match ends before the end)
+            full = hits[hits + n + k <= length]  # matches followed by k tokens
+            start = int(full[-1] if full.size else hits[0]) + n  # the token after the chosen match
             return arr[start : start + k].tolist()
     return []
 

@@ -68,14 +68,17 @@ def test_bad_configs_are_one_clear_error(value, names):
 
 
 def _reference_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Brute force: for n from n_max down, scan every earlier start from the latest back."""
+    """Brute force: for n from n_max down, every earlier match; the latest with k tokens after it, else the one
+    with the most tokens after it."""
     for n in range(n_max, n_min - 1, -1):
         if n >= len(tokens):
             continue
         tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tail]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(tokens)]
+            start = full[-1] if full else starts[0]
+            return tokens[start + n : start + n + k]
     return []
 
 
@@ -99,6 +102,8 @@ def test_ngram_prefers_the_longest_n_then_the_latest_match():
     assert propose_ngram(tokens, 2, 1, 2) == [8, 1]  # the 2-gram "b c": its latest match (at 4)
     assert propose_ngram([5, 6, 7], 3, 1, 3) == []  # nothing repeats
     assert propose_ngram([4, 4], 3, 1, 1) == [4]  # as many as there are
+    assert propose_ngram([4] * 8, 3, 1, 3) == [4, 4, 4]  # a repeat: an earlier match gives k tokens, the latest one
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 9, 1, 2], 2, 2, 2) == [3, 9]  # the latest match with k tokens after it
 
 
 # ---- adaptive k ---------------------------------------------------------------------------------------------------
