@@ -29,13 +29,15 @@ def _smoke(script: str, tmp_path: Path, *, timeout: int, args: tuple[str, ...] =
         "bench_attention.py",
         "bench_rotary.py",
         pytest.param("bench_forward.py", marks=pytest.mark.slow),  # ~22 s: transformers and astrai, eager and
-        # compiled; bench_matvec's and bench_cpu_attention's smokes run its model builder and bandwidth probe
-        "bench_engine.py",
+        # compiled; bench_cpu_attention's smoke runs its model builder and bandwidth probe
+        # ~15 s: compiles two engines; the engine's own tests (tests/astrai/inference) check what it measures
+        pytest.param("bench_engine.py", marks=pytest.mark.slow),
         "bench_host.py",
         # ~11 s (two gloo ranks); tests/astrai/models/test_tp.py and inference/test_tp_engine.py check TP itself
         pytest.param("bench_tp.py", marks=pytest.mark.slow),
         "bench_packed_linear.py",
-        "bench_matvec.py",
+        # ~13 s; tests/cpu_kernels/test_matvec.py checks the kernel against its reference
+        pytest.param("bench_matvec.py", marks=pytest.mark.slow),
         "bench_cpu_attention.py",
         "bench_cpu_ops.py",  # ~6 s: two worker processes
         # ~55 s: compiles two engines' and two bare decode steps; test_fuse_engine.py and test_param_guards.py
@@ -141,6 +143,7 @@ def test_soak_smoke_reports_json(tmp_path):
     assert report["health"]["probes"] > 0 and report["peak_rss_mib"] >= report["rss_end_mib"] > 0
 
 
+@pytest.mark.slow  # ~13 s; tests/astrai/models' MoE parity tests check the model it measures
 def test_moe_smoke_reports_json(tmp_path):
     """bench_moe: the logits check passed, every variant and shape has a positive rate, the KV table is filled."""
     report = _smoke("bench_moe.py", tmp_path, timeout=600)
@@ -235,3 +238,12 @@ def test_profile_step_smoke_measures_both_step_kinds(tmp_path):
     # CPU: the engine serves the checkpoint layout by default (fused projections are on by default on CUDA only)
     assert report["fused_projections"] is False and report["kernels_per_decode_step"] == decode["launches"]
     assert all(Path(row["trace"]).is_file() and row["top"] for row in report["rows"])
+
+
+@pytest.mark.slow  # four compiled engines; tests/astrai/inference/test_speculative_engine.py checks the identity in CI
+def test_spec_smoke_reports_json(tmp_path):
+    """bench_spec: both workloads ran, the outputs were identical, and the repeat workload accepted guesses."""
+    report = _smoke("bench_spec.py", tmp_path, timeout=600)
+    assert report["identical"] and {r["workload"] for r in report["results"]} == {"repeat", "nothing"}
+    by = {r["workload"]: r for r in report["results"]}
+    assert by["repeat"]["acceptance"] > 0 and all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in by.values())

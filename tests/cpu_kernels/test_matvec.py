@@ -340,6 +340,7 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path, monkeypatch):
         assert built.stat().st_size > 20000  # the real library again (the foreign one is ~15 kB)
 
 
+@pytest.mark.slow  # ~11 s (several processes build at once); the damaged-library test above runs in CI
 def test_concurrent_first_builds_share_one_library(tmp_path):
     if "avx512f" not in _cpu_flags() or not cpu_matvec.supports(torch.float32):
         pytest.skip("no AVX-512 kernel here")
