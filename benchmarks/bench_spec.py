@@ -16,7 +16,8 @@ Workloads (random weights cannot edit text, so these bound what the method can d
 Not yet here (issue 43): the edit workload on a trained model and the distilled draft pair.
 
 Prints a rich table and the JSON report as the last stdout line.
-Usage: python benchmarks/bench_spec.py [--config smollm2-135m] [--rounds 3] [--new-tokens 128] [--k 4] [--smoke]
+Usage: python benchmarks/bench_spec.py [--config smollm2-135m] [--rounds 3] [--new-tokens 128] [--k 4]
+       [--lookup 5 5] [--batch 1 4] [--smoke]
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = build_model(args.config, args.vocab)
     weight_bytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(model.params))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
+            "prompt_lookup_max": args.lookup[1]}  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     workloads = {
         "repeat": (SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True),
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
             # per-stream equivalent: a batch of B reads the weights once per step for B streams
             row["roofline_equiv"] = row["ngram_tok_s"] / batch * weight_bytes / (bw * 1e9)
             results.append(row)
-    return dict(benchmark="bench_spec", config=args.config, threads=args.threads, rounds=args.rounds,
+    return dict(benchmark="bench_spec", config=args.config, threads=args.threads, rounds=args.rounds, spec=spec,
                 new_tokens=args.new_tokens, prompt_tokens=args.prompt, weight_bytes=weight_bytes,
                 identical=identical, results=results)  # fmt: skip
 
@@ -112,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--lookup",
+        type=int,
+        nargs=2,
+        default=[5, 5],
+        metavar=("MIN", "MAX"),
+        help="prompt_lookup_min and _max (vLLM's defaults: 5 and 5)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 16 tokens, batch 1 (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

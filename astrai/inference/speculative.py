@@ -165,10 +165,10 @@ def attach(seqs: Sequence[Seq], config: SpeculativeConfig) -> None:
 class AdaptiveK:
     """A sequence's draft length: shrinks towards 0 while its guesses are rejected, grows back when they pass.
 
-    Keeps an exponential moving average of the accepted fraction; the next k is the largest whose expected gain
-    pays for checking it (`ceil(k_max * rate)`, 0 below `floor`). At 0 the sequence still probes with one guess
-    every `probe_every` rounds, so a workload that starts copying later is noticed. A workload with nothing to
-    copy thus costs a probe now and then, not k wasted rows every step.
+    Keeps an exponential moving average of the accepted fraction; the next k is `ceil(k_max * rate)`, 0 below
+    `floor`. At 0 the sequence still probes with one guess now and then, so a workload that starts copying later is
+    noticed: first after `probe_every` rounds, then twice as long after each failed probe (up to `max_interval`),
+    so a sequence with nothing to copy pays for a verify round ever more rarely; a probe that passes resets it.
     """
 
     k_max: int
@@ -176,22 +176,30 @@ class AdaptiveK:
     floor: float = 0.2
     decay: float = 0.5
     probe_every: int = 8
+    max_interval: int = 128
     _idle: int = 0
+    _interval: int = 0
 
     def next_k(self) -> int:
         """The number of tokens to propose this round."""
         if self.rate >= self.floor:
             return max(1, min(self.k_max, int(np.ceil(self.k_max * self.rate))))
         self._idle += 1
-        if self._idle >= self.probe_every:
+        if self._idle >= (self._interval or self.probe_every):
             self._idle = 0
             return 1
         return 0
 
     def update(self, proposed: int, accepted: int) -> None:
         """Record a round: `accepted` of `proposed` guesses passed (rounds without guesses change nothing)."""
-        if proposed > 0:
-            self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
+        if proposed <= 0:
+            return
+        probing = self.rate < self.floor
+        self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
+        if probing and accepted == 0:  # a failed probe: wait twice as long for the next
+            self._interval = min(2 * (self._interval or self.probe_every), self.max_interval)
+        elif accepted:
+            self._interval = 0
 
 
 @attrs.define

@@ -109,19 +109,21 @@ def test_ngram_prefers_the_longest_n_then_the_latest_match():
 # ---- adaptive k ---------------------------------------------------------------------------------------------------
 
 
-def test_adaptive_k_shrinks_to_probes_and_grows_back():
+def test_adaptive_k_shrinks_to_probes_backs_off_and_grows_back():
     policy = AdaptiveK(k_max=4)
     assert policy.next_k() == 4
-    ks = []
-    for _ in range(40):  # every guess rejected
+    probes = []
+    for round_ in range(400):  # every guess rejected
         k = policy.next_k()
-        ks.append(k)
+        if k and policy.rate < policy.floor:
+            probes.append(round_)
         policy.update(k, 0)
-    assert ks[-16:].count(0) >= 14 and 1 in ks[-16:]  # mostly nothing, a probe every 8 rounds
-    for _ in range(10):  # then everything passes
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:4] == [16, 32, 64, 128] and set(gaps[4:]) == {128}, probes  # doubling, then capped
+    for _ in range(140):  # then everything passes: the next probe notices, and k climbs back
         k = policy.next_k()
         policy.update(k, k)
-    assert policy.next_k() == 4
+    assert policy.next_k() == 4 and policy._interval == 0
 
 
 # ---- verifiers ----------------------------------------------------------------------------------------------------
