@@ -87,7 +87,7 @@ class Engine:
         if cfg.speculative is not None:
             self.scheduler.propose = speculative.proposer(cfg.speculative)
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=cfg.max_running,
-                         compile_prefill=cfg.compile_prefill, max_model_len=self.max_model_len,
+                         compile_prefill=cfg.resolved_compile_prefill(device.type), max_model_len=self.max_model_len,
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
         self.fatal: str | None = None  # why the engine cannot run any more (a tensor-parallel rank died)
         if tp_size > 1:

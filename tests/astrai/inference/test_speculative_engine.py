@@ -245,3 +245,20 @@ def test_spec_counters_reach_metrics_with_vllms_names():
     per_pos = {s.labels["position"]: s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert per_pos == {"0": 4, "1": 3, "2": 1}  # rounds whose guess at that position passed
     assert sum(per_pos.values()) == 8  # they add up to the accepted tokens
+
+
+def test_on_cpu_speculation_compiles_the_verify_step_by_default():
+    spec = EngineConfig(speculative=SPEC)
+    assert spec.resolved_compile_prefill("cpu") is True  # the extend path is every round's verify step
+    assert spec.resolved_compile_prefill("cuda") is None  # CUDA's own default (compiled once its check passes)
+    assert EngineConfig(speculative=SPEC, compile_prefill=False).resolved_compile_prefill("cpu") is False
+    assert EngineConfig().resolved_compile_prefill("cpu") is None
+
+
+@pytest.mark.slow  # ~30 s: compiles the decode and prefill steps twice; the eager identity tests above run in CI
+def test_compiled_engines_give_the_same_tokens(model):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _ = _run(model, None, params, compile=True)
+    spec, stats = _run(model, SPEC, params, compile=True)
+    assert _tokens(spec) == _tokens(plain)
+    _assert_speculated(stats)
