@@ -167,10 +167,15 @@ def load_model(args: ModelArgs) -> Model:
     return model
 
 
-def interactive_engine(model: Model, args: ModelArgs, *, compile: bool):
-    """A small engine for `generate` / `chat` (a few sequences, 256 MiB of KV on CPU)."""
+def interactive_engine(model: Model, args: ModelArgs, *, compile: bool, speculative: str | None = None):
+    """A small engine for `generate` / `chat` (a few sequences, 256 MiB of KV on CPU); `speculative`: vLLM's
+    `--speculative-config` JSON (a bad one is a clean error)."""
     from astrai.inference.engine import Engine, EngineConfig
 
-    config = EngineConfig(max_running=4, compile=compile, kv_budget_bytes=256 << 20, seed=args.seed,
-                          max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
-    return run_guarded(lambda: Engine(model, config))
+    def build() -> Engine:
+        config = EngineConfig(max_running=4, compile=compile, kv_budget_bytes=256 << 20, seed=args.seed,
+                              max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                              speculative=speculative)  # fmt: skip
+        return Engine(model, config)
+
+    return run_guarded(build)

@@ -28,6 +28,9 @@ class ChatConfig(ModelArgs):
     """Nucleus mass (1: off)."""
     compile: bool = False
     """torch.compile the decode step, and on CUDA the prefill step (faster replies after a one-off compile)."""
+    speculative_config: str | None = None
+    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4}' (the same text, fewer
+    forwards when the output copies the prompt; docs/inference.md)."""
 
 
 def main(cfg: ChatConfig) -> None:
@@ -38,7 +41,7 @@ def main(cfg: ChatConfig) -> None:
     history: list[dict] = [{"role": "system", "content": cfg.system}] if cfg.system else []
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
     console.print("[dim]astrai chat: /reset clears the history, /exit quits[/]")
-    with interactive_engine(model, cfg, compile=cfg.compile) as engine:
+    with interactive_engine(model, cfg, compile=cfg.compile, speculative=cfg.speculative_config) as engine:
         while True:
             console.print("[bold green]you>[/] ", end="")
             line = sys.stdin.readline()

@@ -27,6 +27,9 @@ class GenerateConfig(ModelArgs):
     """Nucleus mass (1: off)."""
     compile: bool = False
     """torch.compile the decode step, on CUDA the prefill step too (a one-off compile of tens of seconds on CPU)."""
+    speculative_config: str | None = None
+    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4}' (the same text, fewer
+    forwards when the output copies the prompt; docs/inference.md)."""
 
 
 def stream_text(engine, prompt_ids: list[int], params) -> str:
@@ -54,7 +57,7 @@ def main(cfg: GenerateConfig) -> None:
     from astrai.inference.params import SamplingParams
 
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    with interactive_engine(model, cfg, compile=cfg.compile) as engine:
+    with interactive_engine(model, cfg, compile=cfg.compile, speculative=cfg.speculative_config) as engine:
         run_guarded(lambda: stream_text(engine, ids, params))
 
 

@@ -73,6 +73,18 @@ def test_generate_streams_the_greedy_completion(model_dir, capsys):
     assert expected in out
 
 
+def test_generate_takes_vllms_speculative_config(model_dir, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    main(["generate", str(model_dir), "--prompt", "hello world hello world hello", "--max-tokens", "24",
+          "--speculative-config", spec])  # fmt: skip
+    out = capsys.readouterr().out
+    expected = astrai.generate(astrai.load(model_dir), ["hello world hello world hello"], max_tokens=24)[0]
+    assert expected in out  # the same text as without speculation
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(model_dir), "--prompt", "hi", "--speculative-config", '{"method": "ngram"}'])
+    assert exit_.value.code != 0 and "num_speculative_tokens is required" in capsys.readouterr().err
+
+
 def test_chat_uses_the_template_over_turns(model_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi there\nand again\n/exit\n"))
     main(["chat", str(model_dir), "--temperature", "0", "--max-tokens", "8"])
