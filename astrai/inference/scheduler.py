@@ -281,13 +281,7 @@ class Scheduler:
             self.stats.prefill_tokens += max(0, min(end, len(seq.prompt)) - item.start)
             if item.sample:
                 seq.in_flight -= 1
-                token, logprob, top = sampled[i]  # a SampledToken (unpacked: the per-row hot path)
-                self.stats.decode_tokens += 1
-                seq.outputs.append(token)
-                if logprob is not None:
-                    seq.logprobs.append(logprob)
-                if top is not None:
-                    seq.top_logprobs.append(top)
+                token = self._append(seq, sampled[i])
             if item.start < len(seq.prompt) <= end and seq.status is Status.RUNNING:
                 self._cache(seq)  # prompt fully computed: shareable now (n > 1 siblings, shared system prompts)
                 seq.prompt_cached = True
@@ -299,6 +293,17 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _append(self, seq: Seq, drawn: SampledToken) -> int:
+        """Add a drawn token (and its logprobs, when asked) to `seq`'s outputs; returns the token."""
+        token, logprob, top = drawn  # a NamedTuple, unpacked: the per-row hot path
+        self.stats.decode_tokens += 1
+        seq.outputs.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if top is not None:
+            seq.top_logprobs.append(top)
+        return token
+
     def _update_speculative(self, item: ScheduledSeq, draws: Sequence[SampledToken]) -> bool:
         """Keep the confirmed guesses and the first differing draw, token by token with their stops; roll the
         rest back. True when the sequence finished."""
@@ -309,13 +314,8 @@ class Scheduler:
             accepted += 1
         seq.spec.update(len(draft), accepted)
         self.spec_stats.record(len(draft), accepted)
-        for token, logprob, top in draws[: accepted + 1]:
-            self.stats.decode_tokens += 1
-            seq.outputs.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            if top is not None:
-                seq.top_logprobs.append(top)
+        for drawn in draws[: accepted + 1]:
+            self._append(seq, drawn)
             reason = seq.check_stop()
             if reason is not None:
                 seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)  # no K/V past the kept tokens
