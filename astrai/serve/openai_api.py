@@ -32,7 +32,7 @@ the prompt's tokens (`null` first; each position's `top_logprobs` hold its alter
 vLLM's do), followed by the generated ones. `max_tokens: 0` with echo only echoes (and scores).
 
 Big replies: before anything is scored or submitted, the reply's size is estimated from n, max_tokens, the
-logprob counts, echo and prompt_logprobs (`chat_reply_parts`, `completion_reply_parts`); over the server's
+logprob counts, echo and prompt_logprobs (`reply_size`); over the server's
 `max_reply_bytes` it is a 400 naming those fields (`common.check_reply_size`). A whole reply is built and
 JSON-encoded on the worker pool (`_chat_reply`, `_completion_reply`), as is a stream's chunk with an echoed
 prompt's logprobs, so that tens of MB of logprobs never stall the event loop.
@@ -58,6 +58,7 @@ from astrai.serve import common, tenancy
 from astrai.serve.common import APIError, openai_error, sse
 from astrai.serve.openai_protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from astrai.serve.reasoning import new_parsers, prompt_start, sort_events, split
+from astrai.serve.reply_size import chat_reply_parts, completion_reply_parts
 from astrai.serve.sampling_fields import response_id
 from astrai.serve.state import ServerState
 from astrai.serve.tool_calls import Event, TextDelta, ToolCall, ToolCallArgs, ToolCallStart
@@ -204,20 +205,6 @@ def no_free_text(chat: ChatRequest) -> bool:
 
 def _openai_call(call: ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def chat_reply_parts(chat: ChatRequest) -> list[tuple[str, tuple[str, ...], int]]:
-    """The estimated bytes of a chat reply, per part and the fields that make it (`common.check_reply_size`)."""
-    p, n = chat.params, chat.params.n
-    parts = [("text: n x max_tokens tokens", ("n", "max_tokens"),
-              n * (p.max_tokens * common.BYTES_PER_TOKEN_TEXT + len(chat.echo.encode())))]  # fmt: skip
-    if p.wants_logprobs:
-        parts.append(("logprobs: n x max_tokens x (top_logprobs + 1) entries", ("n", "max_tokens", "top_logprobs"),
-                      n * p.max_tokens * (p.top_logprobs + 1) * common.BYTES_PER_CHAT_LOGPROB))  # fmt: skip
-    if chat.prompt_logprobs is not None:
-        parts.append(("prompt_logprobs: prompt tokens x (prompt_logprobs + 1) entries", ("prompt_logprobs",),
-                      len(chat.prompt) * (chat.prompt_logprobs + 1) * common.BYTES_PER_VLLM_LOGPROB))  # fmt: skip
-    return parts
 
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
@@ -376,28 +363,6 @@ async def _completion_deltas(state: ServerState, request: Request, handles: list
             yield k, delta
     except (EngineDeadError, RequestFailedError) as err:
         raise common.engine_error(err) from None
-
-
-def completion_reply_parts(req: CompletionRequest) -> list[tuple[str, tuple[str, ...], int]]:
-    """The estimated bytes of a completions reply (every prompt's n choices), per part and the fields that make it
-    (`common.check_reply_size`). Each choice repeats its prompt's echoed text and scores."""
-    n, k = req.n, req.logprobs or 0
-    made = [p.params.max_tokens if req.generate else 0 for p in req.prompts]
-    held = [len(p.ids) for p in req.prompts]
-    parts = [("text: prompts x n x (max_tokens tokens + echo)", ("n", "max_tokens", "prompt"),
-              n * sum(m * common.BYTES_PER_TOKEN_TEXT + len(p.echo.encode()) for m, p in zip(made, req.prompts,
-                                                                                           strict=True)))]  # fmt: skip
-    if req.logprobs is not None:
-        parts.append(("logprobs: prompts x n x max_tokens x (logprobs + 1) entries", ("n", "max_tokens", "logprobs"),
-                      n * sum(made) * (k + 1) * common.BYTES_PER_LEGACY_LOGPROB))  # fmt: skip
-    if req.prompt_logprobs:
-        parts.append(("echo: prompts x n x prompt tokens x (logprobs + 2) entries", ("echo", "logprobs", "n", "prompt"),
-                      n * sum(held) * (k + 2) * common.BYTES_PER_LEGACY_LOGPROB))  # fmt: skip
-    if req.prompt_top is not None:
-        parts.append(("prompt_logprobs: prompts x n x prompt tokens x (prompt_logprobs + 1) entries",
-                      ("prompt_logprobs", "n", "prompt"),
-                      n * sum(held) * (req.prompt_top + 1) * common.BYTES_PER_VLLM_LOGPROB))  # fmt: skip
-    return parts
 
 
 async def _completions(state: ServerState, request: Request) -> Response:

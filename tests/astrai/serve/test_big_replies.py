@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from astrai.serve import common, openai_api
+from astrai.serve import common, openai_api, reply_size
 
 API_KEY, MODEL_NAME = "test-key", "tiny-test"  # the conftest server's
 
@@ -110,7 +110,7 @@ def test_the_estimate_is_near_the_real_size(server, state, kind):
 
         parsed = parse_chat({"model": MODEL_NAME, **body}, server.tokenizer, vocab_size=state.vocab_size,
                             context=state.context, tool_parser=state.tool_parser)  # fmt: skip
-        parts = openai_api.chat_reply_parts(parsed)
+        parts = reply_size.chat_reply_parts(parsed)
     else:
         body = {"prompt": ["hello world " * 100] * 2, "n": 2, "max_tokens": 64, "ignore_eos": True}
         body |= {"legacy": {"logprobs": 10}, "echo": {"echo": True, "logprobs": 10}, "vllm": {"prompt_logprobs": 10}}[
@@ -121,7 +121,7 @@ def test_the_estimate_is_near_the_real_size(server, state, kind):
 
         parsed = parse_completion({"model": MODEL_NAME, **body}, server.tokenizer, vocab_size=state.vocab_size,
                                   context=state.context, max_sequences=state.max_waiting)  # fmt: skip
-        parts = openai_api.completion_reply_parts(parsed)
+        parts = reply_size.completion_reply_parts(parsed)
     assert r.status_code == 200, r.text
     estimate, real = sum(size for _, _, size in parts), len(r.content)
     assert 0.5 <= estimate / real <= 2.0, (kind, estimate, real)
