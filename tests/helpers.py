@@ -125,6 +125,24 @@ def tiny_model_dir(folder, *, seed: int = 0, max_position_embeddings: int = 2048
     return str(save(model, folder))
 
 
+def draft_pair_dirs(folder, *, damp: float = 0.05) -> tuple[str, str]:
+    """Save a tiny 2-layer target and its 1-layer draft (the target's first block, same tokenizer and head) under
+    `folder`; the target's second block is damped by `damp`, so the draft's greedy guesses mostly pass."""
+    import attrs
+
+    from astrai.io.model import Model, load, save
+
+    target = load(tiny_model_dir(f"{folder}/base", max_position_embeddings=512))
+    block = target.params.blocks[1]
+    with torch.no_grad():
+        block.attn.o_proj.weight.mul_(damp)
+        block.mlp.down_proj.weight.mul_(damp)
+    draft = Model(config=attrs.evolve(target.config, num_hidden_layers=1),
+                  params=attrs.evolve(target.params, blocks=target.params.blocks[:1]), tokenizer=target.tokenizer,
+                  eos_token_ids=target.eos_token_ids)  # fmt: skip
+    return str(save(target, f"{folder}/target")), str(save(draft, f"{folder}/draft"))
+
+
 def randomize_routers(hf, *, weight_std: float = 0.5, bias_std: float = 0.3):
     """Make MoE routing depend on the input (some families start routers at zero) and give DeepSeek-V3's choice
     bias (a zero buffer) values, in place; returns `hf`."""

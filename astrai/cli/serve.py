@@ -217,6 +217,8 @@ def _warm_up(engine: Engine) -> None:
     start = time.perf_counter()
     with console.status("compiling the decode step's batch sizes and the sampler's variants"):
         done = warm_up()
+        if engine.draft is not None:  # speculative decoding's draft model: its steps too
+            engine.draft.warm_up()
     steps, sampler = done["seconds"]
     console.print(f"compiled before serving ({time.perf_counter() - start:.1f} s): decode batch sizes "
                   f"{done['decode'] or 'none (CUDA graphs or eager)'} ({steps:.1f} s), sampler variants "

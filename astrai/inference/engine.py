@@ -36,6 +36,7 @@ from astrai.inference import speculative
 from astrai.inference.budget import kv_pool_pages, pool_max_model_len
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
+from astrai.inference.draft import DraftProposer, draft_kv_bytes, load_draft
 from astrai.inference.engine_config import EngineConfig, EngineStats
 from astrai.inference.errors import EngineBusyError, EngineDeadError, EngineInputError, RequestFailedError
 from astrai.inference.fast_paths import verify_at_start as verify_fast_paths
@@ -76,7 +77,10 @@ class Engine:
         # the served tree: the model's own or a fused copy (made before the pool), unconfirmed GPU paths checked
         self._fuse = should_fuse(model, cfg.fuse_projections, tensor_parallel=tp_size > 1)
         self._fuse, self._served = verify_fast_paths(model, served_model(model, self._fuse), cfg)
-        num_pages = kv_pool_pages(cfg, model, device, kv_bytes_per_token(kv_cfg, model.dtype), self.max_model_len)
+        # speculation with a draft model: its K/V sits beside the target's, page for page (`astrai.inference.draft`)
+        draft = load_draft(cfg.speculative.draft_model, model) if cfg.speculative_method == "draft" else None
+        per_token = kv_bytes_per_token(kv_cfg, model.dtype) + draft_kv_bytes(draft)
+        num_pages = kv_pool_pages(cfg, model, device, per_token, self.max_model_len)
         self.max_model_len = pool_max_model_len(self.max_model_len, num_pages, cfg.page_size,
                                                 explicit=cfg.max_model_len is not None)  # fmt: skip
         self.pool = PagePool(num_pages, cfg.page_size)
@@ -84,8 +88,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len,
                                    policy=cfg.scheduling_policy)  # fmt: skip
-        if cfg.speculative is not None:
-            self.scheduler.propose = speculative.proposer(cfg.speculative)
+        self.scheduler.propose = speculative.proposer(cfg.speculative) if cfg.speculative is not None else None
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=cfg.max_running,
                          compile_prefill=cfg.resolved_compile_prefill(device.type), max_model_len=self.max_model_len,
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
@@ -94,6 +97,7 @@ class Engine:
             self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, **runner_kw)
         else:
             self.runner = ModelRunner(self._served, **runner_kw)
+        self.draft = DraftProposer.start(draft, runner_kw, model.config.vocab_size)
         self._rng, self._arrival = random.Random(cfg.seed), itertools.count()
         self._tracked: dict[str, RequestDelivery] = {}
         self._inbox, self._aborts = [], []  # RequestDelivery to admit, request ids to abort (engine thread)
@@ -218,21 +222,17 @@ class Engine:
         if bad:
             raise EngineInputError(f"prompt token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
         if params.priority and self.config.scheduling_policy != "priority":
-            raise EngineInputError(
-                "priority needs the priority scheduling policy (astrai serve --scheduling-policy "
-                f"priority); this engine's is {self.config.scheduling_policy!r}",
-                param="priority",
-            )
+            policy = self.config.scheduling_policy
+            raise EngineInputError("priority needs the priority scheduling policy (astrai serve --scheduling-policy "
+                                   f"priority); this engine's is {policy!r}", param="priority")  # fmt: skip
         if params.n > self.config.max_waiting:
             raise EngineInputError(f"n={params.n} is more sequences than the engine's whole waiting queue "
                                    f"(max_waiting={self.config.max_waiting})", param="n")  # fmt: skip
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
-            raise EngineInputError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} tokens, more than "
-                f"the model's context of {self.max_model_len} tokens",
-                param="max_tokens",
-            )
+            raise EngineInputError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} "
+                                   f"tokens, more than the model's context of {self.max_model_len} tokens",
+                                   param="max_tokens")  # fmt: skip
         pages = pages_needed(total, self.config.page_size)
         if pages > self.pool.num_pages - 1:
             raise EngineInputError(f"the request needs {pages} KV pages but the pool has {self.pool.num_pages - 1}; "
@@ -444,6 +444,9 @@ class Engine:
             if pending is not None:
                 self._collect(*pending)
             return
+        if self.draft is not None:  # the draft model's guesses, the target's verify step, the draft's K/V
+            plan, sampled = self.draft.execute(plan, self.runner, vocab)
+            return self._finish(plan, sampled, start)
         self._finish(plan, self.runner.execute(plan, vocab_size=vocab), start)
 
     def _collect(self, plan: list[ScheduledSeq], launched: Launched, start: float) -> None:

@@ -81,12 +81,18 @@ class EngineConfig:
     """Speculative decoding (`astrai.inference.speculative`; a `SpeculativeConfig`, or vLLM's
     `--speculative-config` JSON as a string or dict): "ngram" (prompt lookup) guesses up to
     `num_speculative_tokens` tokens per decoding sequence and step, verified in one forward; the output is the
-    very tokens a run without it gives (greedy and seeded sampling). Sequences with a grammar decode plainly. The
-    "draft" method is not built yet (a clear error). Needs `overlap_schedule` off and one rank."""
+    very tokens a run without it gives (greedy and seeded sampling). "draft" runs a smaller model sharing the
+    tokenizer (`astrai.inference.draft`, loaded and checked at start) for the guesses. Sequences with a grammar
+    decode plainly. Needs `overlap_schedule` off and one rank."""
     background: bool = True
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
     `LLM`; on CPU that is faster, because OpenMP spins less in a second thread's worker pool."""
+
+    @property
+    def speculative_method(self) -> str | None:
+        """`speculative.method`, or None without speculation."""
+        return self.speculative.method if self.speculative is not None else None
 
     def resolved_compile_prefill(self, device_type: str) -> bool | None:
         """`compile_prefill` with speculation's CPU default (True) filled in; None leaves the choice to the runner
@@ -102,9 +108,6 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative is not None:
-            if self.speculative.method == "draft":
-                raise ValueError('speculative decoding with a draft model ("method": "draft") is not built yet: '
-                                 'use "method": "ngram"')  # fmt: skip
             if self.overlap_schedule or self.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding needs overlap_schedule off and tensor_parallel_size=1")
         if self.overlap_schedule and self.tensor_parallel_size > 1:

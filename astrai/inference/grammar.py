@@ -345,6 +345,30 @@ def accept(matcher: Matcher, token: int) -> bool:
     return matcher.ll.try_consume_tokens([token]) == 1
 
 
+def valid_prefix(matcher: Matcher, tokens: Sequence[int]) -> int:
+    """How many of `tokens`, in order, the grammar allows from `matcher`'s state (the matcher is not moved):
+    speculative decoding keeps only those guesses of a constrained sequence."""
+    n = 0
+    while n < len(tokens) and 0 <= tokens[n] < matcher.grammar.view.n_tokens:
+        n += 1  # llguidance would fail the matcher for good on an id outside its vocabulary
+    return matcher.ll.validate_tokens(list(tokens[:n])) if n else 0
+
+
+def fill_bitmask_after(matcher: Matcher, tokens: Sequence[int], row: torch.Tensor) -> None:
+    """`fill_bitmask` for the state `matcher` reaches after `tokens` (allowed ones, `valid_prefix`), leaving the
+    matcher where it was: a speculative row draws as if its guesses had been accepted."""
+    if not tokens:
+        return fill_bitmask(matcher, row)
+    consumed = matcher.ll.try_consume_tokens(list(tokens))
+    if consumed != len(tokens):
+        matcher.ll.rollback(consumed)
+        raise RuntimeError(f"the grammar refused guessed token {tokens[consumed]} that it had validated")
+    try:
+        fill_bitmask(matcher, row)
+    finally:
+        matcher.ll.rollback(len(tokens))
+
+
 def is_accepting(matcher: Matcher) -> bool:
     """The output so far is complete: EOS may come next."""
     return matcher.ll.is_accepting()

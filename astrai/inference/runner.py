@@ -33,7 +33,13 @@ from torch import Tensor
 
 from astrai.inference import closing, fast_paths
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
-from astrai.inference.grammar import allocate_bitmask, error_summary, fill_bitmask_batch, matcher_error
+from astrai.inference.grammar import (
+    allocate_bitmask,
+    error_summary,
+    fill_bitmask_after,
+    fill_bitmask_batch,
+    matcher_error,
+)
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.layout import layout_difference
 from astrai.inference.plan import SampledToken, ScheduledSeq
@@ -431,17 +437,22 @@ class ModelRunner:
             j += span
         return result
 
-    def _grammar_bitmask(self, seqs: list[Seq], vocab_size: int) -> Tensor | None:
-        """The sampled rows' grammar bitmask on the device (all ones on unconstrained rows); None if none is."""
-        rows = [(s.matcher, j) for j, s in enumerate(seqs) if s.matcher is not None]
+    def _grammar_bitmask(self, draws: list[tuple[Seq, tuple[int, ...]]], vocab_size: int) -> Tensor | None:
+        """The sampled rows' grammar bitmask on the device (all ones on unconstrained rows); None if none is. A
+        speculative row's mask is its grammar's after the guesses before it (`fill_bitmask_after`)."""
+        seqs = [s for s, _ in draws]
+        rows = [(s.matcher, j) for j, (s, before) in enumerate(draws) if s.matcher is not None and not before]
         if not rows:
             return None
         mask = allocate_bitmask(len(seqs), vocab_size, pin_memory=self.cuda)
         if len(rows) < len(seqs):
             mask[[j for j, s in enumerate(seqs) if s.matcher is None]] = -1
         fill_bitmask_batch(rows[0][0].grammar.view, rows, mask)
-        for j, s in enumerate(seqs):  # budget-aware closing: near the end of its budget a row follows its path
-            if s.matcher is None or s.error is not None:
+        for j, (s, before) in enumerate(draws):
+            if s.matcher is not None and before:
+                fill_bitmask_after(s.matcher, before, mask[j])
+        for j, (s, before) in enumerate(draws):  # budget-aware closing: near the end of its budget a row follows
+            if s.matcher is None or s.error is not None or before:  # its path (guessed rows are far from the end)
                 continue
             token = _guarded_steering(s)
             if token is not None:
@@ -460,7 +471,7 @@ class ModelRunner:
             raise RuntimeError("a sequence with penalties or a grammar was planned before its last token came back")
         top = max(s.params.top_logprobs for s in seqs)
         want = any(s.params.logprobs or s.params.top_logprobs for s in seqs)
-        bitmask = self._grammar_bitmask(seqs, vocab_size)  # the forward is already launched: overlaps on CUDA
+        bitmask = self._grammar_bitmask(draws, vocab_size)  # the forward is already launched: overlaps on CUDA
         outputs = [np.concatenate([s.output_array(), before]) if before else s.output_array() for s, before in draws]
         # copied without a host sync (`upload`); `steps` counts the tokens drawn before this one
         batch = make_sampling_batch(

@@ -38,12 +38,12 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from astrai.inference.grammar import accept, error_summary, is_finished, matcher_error
+from astrai.inference.grammar import accept, error_summary, is_finished, matcher_error, valid_prefix
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
 from astrai.inference.seq import Seq, Status
-from astrai.inference.speculative import SpecStats
+from astrai.inference.speculative import PENDING, SpecStats
 from astrai.ops.attention import pages_needed
 
 logger = logging.getLogger(__name__)
@@ -217,12 +217,24 @@ class Scheduler:
     def _draft(self, seq: Seq, budget: int) -> tuple[int, ...]:
         """The proposer's guesses for a decoding sequence: as many as its adaptive k allows, within the step's
         budget, its `max_tokens` (the last token is always a draw) and the model's length; none for a sequence
-        with a grammar or a token in flight."""
-        if seq.spec is None or seq.matcher is not None or seq.in_flight:
+        with a token in flight. A constrained sequence keeps the guesses its grammar allows (`valid_prefix`; a
+        draft model's guesses are cut once made, `DraftProposer.fill`), and guesses only while its budget is far
+        from the window where budget-aware closing may force tokens (`closing.Steering`)."""
+        if seq.spec is None or seq.in_flight:
             return ()
         room = min(seq.params.max_tokens - len(seq.outputs) - 1, budget - 1, self.max_model_len - seq.num_tokens - 1)
+        if seq.matcher is not None:
+            steering = seq.steering  # set by the first constrained draw; its window is fixed from then on
+            if steering is None or steering.window is None or steering.path:
+                return ()
+            room = min(room, seq.params.max_tokens - len(seq.outputs) - steering.window - 1)
         k = min(seq.spec.next_k(), room)
-        return tuple(self.propose(seq, k))[:k] if k > 0 else ()
+        if k <= 0:
+            return ()
+        guesses = tuple(self.propose(seq, k))[:k]
+        if seq.matcher is not None and guesses and guesses[0] != PENDING:
+            guesses = guesses[: valid_prefix(seq.matcher, guesses)]
+        return guesses
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         plan = []
@@ -315,8 +327,8 @@ class Scheduler:
         seq.spec.update(len(draft), accepted)
         self.spec_stats.record(len(draft), accepted)
         for drawn in draws[: accepted + 1]:
-            self._append(seq, drawn)
-            reason = seq.check_stop()
+            token = self._append(seq, drawn)
+            reason = seq.check_stop() if seq.matcher is None else self._grammar_stop(seq, token)
             if reason is not None:
                 seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)  # no K/V past the kept tokens
                 self.finish(seq, reason)

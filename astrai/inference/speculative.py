@@ -142,8 +142,14 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max:
     return []
 
 
+PENDING = -1  # draft method: a guess the draft model makes after scheduling (`astrai.inference.draft.fill`)
+
+
 def proposer(config: SpeculativeConfig) -> Callable[[Seq, int], list[int]]:
-    """The scheduler's `propose(seq, k)` for `config` (ngram: prompt lookup over the prompt and the output)."""
+    """The scheduler's `propose(seq, k)` for `config`: ngram, prompt lookup over the prompt and the output;
+    draft, k `PENDING` slots (the scheduler plans their budget and pages; the draft model fills them, batched)."""
+    if config.method == "draft":
+        return lambda seq, k: [PENDING] * k
     low, high = config.prompt_lookup_min, config.prompt_lookup_max
 
     def ngram(seq: Seq, k: int) -> list[int]:

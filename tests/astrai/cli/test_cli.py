@@ -19,7 +19,7 @@ import torch
 
 import astrai
 from astrai.cli.main import main
-from helpers import tiny_model_dir
+from helpers import draft_pair_dirs, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,18 @@ def test_generate_takes_vllms_speculative_config(model_dir, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(model_dir), "--prompt", "hi", "--speculative-config", '{"method": "ngram"}'])
     assert exit_.value.code != 0 and "num_speculative_tokens is required" in capsys.readouterr().err
+
+
+def test_generate_takes_a_draft_model(tmp_path, capsys):
+    target_dir, draft_dir = draft_pair_dirs(tmp_path)
+    spec = f'{{"model": "{draft_dir}", "num_speculative_tokens": 3}}'  # vLLM's JSON: a draft model by its folder
+    main(["generate", target_dir, "--prompt", "hello world", "--max-tokens", "16", "--speculative-config", spec])
+    expected = astrai.generate(astrai.load(target_dir), ["hello world"], max_tokens=16)[0]
+    assert expected in capsys.readouterr().out  # the same text as without speculation
+    missing = f'{{"model": "{tmp_path / "nowhere"}", "num_speculative_tokens": 3}}'
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", target_dir, "--prompt", "hi", "--speculative-config", missing])
+    assert exit_.value.code != 0 and "cannot load the draft model" in capsys.readouterr().err
 
 
 def test_chat_uses_the_template_over_turns(model_dir, capsys, monkeypatch):

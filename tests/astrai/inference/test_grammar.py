@@ -24,6 +24,7 @@ from astrai.inference.grammar import (
     choice_grammar,
     compile_grammar,
     fill_bitmask,
+    fill_bitmask_after,
     fill_bitmask_batch,
     is_accepting,
     is_finished,
@@ -32,6 +33,7 @@ from astrai.inference.grammar import (
     lark_grammar,
     new_matcher,
     regex_grammar,
+    valid_prefix,
 )
 from astrai.io.token_bytes import TokenBytes
 from astrai.io.tokenizer import Tokenizer, train_tokenizer
@@ -179,6 +181,37 @@ def test_batch_fill_matches_single_rows():
         fill_bitmask(m, row)
         assert torch.equal(batch[r], row)
     assert not batch[1].any()  # rows not named are untouched
+
+
+def test_guesses_are_cut_where_the_grammar_forbids_them_and_rows_see_the_state_after_them():
+    """Speculative decoding's grammar hooks: `valid_prefix` counts the allowed guesses without moving the matcher;
+    `fill_bitmask_after` gives the mask of the state after them (as accepting them one by one does) and leaves
+    the matcher where it was."""
+    v, tok = view("byte_level"), tokenizer("byte_level")
+    m = new_matcher(compile_grammar(v, json_schema_grammar(SCHEMA)))
+    walk_ids = tok.encode('{"name": "Rex", "kind": "dog"', add_special_tokens=False)
+    ok = valid_prefix(m, walk_ids)
+    assert ok >= 3  # a prefix of a valid document (the grammar may prefer other whitespace later)
+    bad = tok.encode("x", add_special_tokens=False)[0]
+    assert valid_prefix(m, [*walk_ids[:ok], bad]) == ok  # cut at the forbidden guess
+    assert valid_prefix(m, [bad, *walk_ids]) == 0 and valid_prefix(m, [v.vocab_size + 5]) == 0
+    before = allocate_bitmask(1, v.vocab_size)[0]
+    fill_bitmask(m, before)
+    for n in range(1, ok + 1):
+        after = allocate_bitmask(1, v.vocab_size)[0]
+        fill_bitmask_after(m, walk_ids[:n], after)
+        reference = new_matcher(compile_grammar(v, json_schema_grammar(SCHEMA)))
+        assert all(accept(reference, t) for t in walk_ids[:n])
+        expected = allocate_bitmask(1, v.vocab_size)[0]
+        fill_bitmask(reference, expected)
+        assert torch.equal(after, expected) and not torch.equal(after, before)
+    again = allocate_bitmask(1, v.vocab_size)[0]
+    fill_bitmask(m, again)
+    assert torch.equal(again, before)  # the matcher did not move
+    with pytest.raises(RuntimeError, match="refused guessed token"):
+        fill_bitmask_after(m, [bad], again)
+    fill_bitmask(m, again)
+    assert torch.equal(again, before) and not is_finished(m)
 
 
 def test_compiled_grammars_are_cached_per_view():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 import torch
 
@@ -119,18 +120,35 @@ def test_preemption_and_prefix_hits_keep_the_tokens(model):
     _assert_speculated(stats)
 
 
-def test_a_grammar_request_decodes_plainly_beside_speculating_ones(model):
-    schema = GrammarSpec(kind="json_schema", source='{"type": "object", "properties": {"a": {"type": "integer"}}}')
-    constrained = SamplingParams(max_tokens=24, temperature=0.0, grammar=schema)
+FIELDS = {"name": {"type": "string"}, "id": {"type": "integer"}}
+ITEM = {"type": "object", "required": ["name", "id"], "properties": FIELDS}
+ITEMS_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": ITEM}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_constrained_requests_speculate_within_their_grammar(model, temperature):
+    """Guesses the grammar forbids are cut before the verify step, each guessed row draws under the grammar's
+    state after the guesses before it, and the matcher advances by the kept tokens only: the same valid JSON as
+    plain decoding, with guesses accepted (the budget is far from budget-aware closing's window for ~90 tokens)."""
+    schema = GrammarSpec(kind="json_schema", source=json.dumps(ITEMS_SCHEMA))
+    params = SamplingParams(max_tokens=160, temperature=temperature, seed=3, grammar=schema)
     free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outs = {}
+    outs, stats = {}, {}
     for spec in (None, SPEC):
         with _engine(model, spec) as engine:
-            handles = [engine.submit(p, free) for p in PROMPTS] + [engine.submit([5, 6, 7], constrained)]
-            outs[spec is None] = [h.result().outputs[0].token_ids for h in handles]
-            stats = engine.stats()
-    assert outs[True] == outs[False]
-    _assert_speculated(stats)
+            handles = [engine.submit(p, params) for p in ([5, 6, 7], [9, 10, 11, 12])]
+            handles.append(engine.submit(PROMPTS[1], free))  # an unconstrained sequence in the same steps
+            outs[spec is None] = [h.result().outputs[0] for h in handles]
+            stats[spec is None] = engine.stats()
+    assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]]
+    for out in outs[False][:2]:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), ITEMS_SCHEMA)
+    _assert_speculated(stats[False])
+    if temperature == 0.0:  # the constrained sequences' own guesses passed, not only the free one's
+        with _engine(model, SPEC) as engine:
+            engine.run_batch([[5, 6, 7]], params)
+            _assert_speculated(engine.stats())
 
 
 def test_the_radix_cache_holds_what_plain_decoding_leaves(model):
@@ -212,8 +230,6 @@ def test_a_guessed_row_draws_what_a_plain_row_draws_after_the_guesses(model):
 
 
 def test_bad_configs_are_refused_at_start(model):
-    with pytest.raises(ValueError, match="draft model .* is not built yet"):
-        EngineConfig(speculative={"model": "some/draft", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="overlap_schedule off"):
         EngineConfig(speculative=SPEC, overlap_schedule=True)
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
