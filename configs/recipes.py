@@ -13,6 +13,7 @@ import attrs
 
 from astrai.nn.lora import LoRAConfig
 from astrai.train.config import DPOConfig, GRPOConfig, TrainConfig
+from astrai.train.distill import DistillConfig
 from astrai.train.optim import AdamWConfig
 from astrai.train.schedule import ScheduleConfig
 
@@ -69,6 +70,18 @@ def grpo_tiny() -> TrainConfig:
     )  # fmt: skip
 
 
+def distill() -> TrainConfig:
+    """Distil a teacher model folder into a random-init `tiny` student (its vocabulary and tokenizer are the
+    teacher's): forward KL(teacher || student) at T = 1 on every trained token of pretraining/SFT shards, e.g. a
+    draft model for speculative decoding. Give the teacher with `--distill.teacher FOLDER`, the student's shape with
+    `--model NAME` and the data with `--data SHARDS` (the teacher's own SFT shards suit a draft)."""
+    return TrainConfig(
+        data=Path("data/sft-tiny"), out_dir=Path("runs/distill"), model="tiny", seq_len=256, batch_size=8, steps=200,
+        optim=AdamWConfig(lr=1e-3, weight_decay=0.0), schedule=ScheduleConfig(kind="cosine", warmup_steps=10),
+        save_every=100, distill=DistillConfig(teacher=Path("runs/sft-tiny/model")),
+    )  # fmt: skip
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "pretrain-tiny": pretrain_tiny,
     "sft-tiny": sft_tiny,
@@ -76,4 +89,5 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "dpo-tiny": dpo_tiny,
     "dpo-lora-tiny": dpo_lora_tiny,
     "grpo-tiny": grpo_tiny,
+    "distill": distill,
 }

@@ -16,6 +16,7 @@ import cattrs
 from cattrs.v import format_exception
 
 from astrai.nn.lora import LoRAConfig
+from astrai.train.distill import DistillConfig
 from astrai.train.optim import OptimConfig, as_optim_config, uses_muon
 from astrai.train.schedule import ScheduleConfig
 
@@ -147,6 +148,10 @@ class TrainConfig:
     """Train with the DPO loss on `dpo` shards (None: the causal-LM loss on pretraining/SFT shards)."""
     grpo: GRPOConfig | None = None
     """Train online GRPO on `grpo` prompt shards, or a JSONL of {"prompt" or "messages", "answer"} records."""
+    distill: DistillConfig | None = None
+    """Distil a teacher model folder into this model on pretraining/SFT shards: KL(teacher || student) on the
+    teacher's logits at every trained token, mixed with the cross-entropy (`astrai.train.distill`); e.g. a draft
+    model for speculative decoding. Not with dpo, grpo, fsdp, tp or neftune."""
     eval_every: int = 0
     """Steps between eval-loss passes (0: only at the end when there is eval data)."""
     eval_batches: int = 8
@@ -170,7 +175,7 @@ class TrainConfig:
     tp: int = 1
     """Under torchrun: tensor-parallel group size (Megatron layout, `astrai.train.tp`): ranks [k tp, (k + 1) tp)
     split every weight matrix; WORLD_SIZE / tp data-parallel replicas (with --fsdp, each TP shard is also sharded
-    over them, 2-D). Not with lora, dpo, grpo or muon."""
+    over them, 2-D). Not with lora, dpo, grpo, distill or muon."""
     fsdp_gather_dtype: Literal["fp32", "bf16"] = "fp32"
     """With fsdp: dtype of the all-gathered weights (bf16 halves gather traffic and memory; needs precision bf16);
     gradients are reduce-scattered in fp32 and the shards stay fp32."""
@@ -210,6 +215,8 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.dpo is not None and (self.val_data is not None or self.val_fraction > 0):
             raise ValueError("DPO runs have no eval pass yet: drop val_data and set val_fraction 0")
+        if self.distill is not None:
+            _check_distill_combinations(self)
         if self.grpo is not None:
             if self.dpo is not None:
                 raise ValueError("a run trains either dpo or grpo, not both")
@@ -222,12 +229,27 @@ class TrainConfig:
                                  f"the prompt in seq_len {self.seq_len}")  # fmt: skip
 
 
+def _check_distill_combinations(cfg: TrainConfig) -> None:
+    """ValueErrors naming --distill.* with what distillation does not combine with."""
+    for name in ("dpo", "grpo"):
+        if getattr(cfg, name) is not None:
+            raise ValueError(f"distill with {name} is not supported: a run trains one objective (distillation runs "
+                             f"on pretraining/SFT shards; drop --distill.* or the {name} config)")  # fmt: skip
+    if cfg.fsdp:
+        raise ValueError("distill with fsdp is not supported yet: the teacher runs whole on each rank (drop --fsdp; "
+                         "plain data parallelism under torchrun works)")  # fmt: skip
+    if cfg.neftune_alpha > 0:
+        raise ValueError("distill with neftune_alpha > 0 is not supported: the student and the teacher must see the "
+                         "same embeddings (set --neftune-alpha 0)")  # fmt: skip
+
+
 def _check_tp_combinations(cfg: TrainConfig) -> None:
     """ValueErrors naming --tp for what tensor-parallel training does not support (yet)."""
     refused = {
         "lora": "the adapters are not split across ranks yet (train LoRA with data parallelism, or --fsdp)",
         "dpo": "the DPO step and its reference pass run the whole model on each rank",
         "grpo": "the rollout engine reads whole weights",
+        "distill": "the teacher runs whole on each rank",
     }
     for name, why in refused.items():
         if getattr(cfg, name) is not None:

@@ -18,6 +18,8 @@ start weights (`astrai.train.dpo.make_reference`, set up before a resume loads n
 each micro-batch before the step. With `TrainConfig.grpo` the step is `astrai.train.grpo.GRPOStep` on rollout
 batches: `astrai.train.rollout.Rollouts` (set up from the start weights like the DPO reference) generates them with
 an `Engine` serving the trainer's own tensors, and drops the engine's prefix cache after every optimizer step.
+With `TrainConfig.distill` the step is `astrai.train.distill.DistillStep`, with the teacher folder loaded (and its
+vocabulary checked against the student's) before anything else; a named student takes the teacher's vocabulary.
 
 With `TrainConfig.tp` > 1 (`astrai.train.tp`) each rank trains its tensor-parallel shard: the ranks of one TP
 group read the same data shard, checkpoints and the final model are gathered into the full model (a collective).
@@ -67,6 +69,7 @@ from astrai.train.checkpoint import (
 )
 from astrai.train.config import TrainConfig, config_to_dict
 from astrai.train.data import DPOBatch, TrainData, open_data
+from astrai.train.distill import DistillStep, check_teacher, draft_config, load_teacher
 from astrai.train.dpo import DPOStep, batch_rows, make_reference
 from astrai.train.fsdp import BlockGather, full_tree, load_into_shards_, make_mesh, shard_tree
 from astrai.train.grpo import GRPOStep
@@ -113,12 +116,15 @@ class TrainResult:
 
 
 def _base_model(
-    cfg: TrainConfig, model_cfg: ModelConfig | None, device: torch.device
+    cfg: TrainConfig, model_cfg: ModelConfig | None, device: torch.device, teacher: Model | None = None
 ) -> tuple[ModelConfig, DecoderParams, Tokenizer | None, tuple]:
-    """(config, fp32 params on device, tokenizer, eos ids): a random init of `model_cfg` or the folder `cfg.model`."""
+    """(config, fp32 params on device, tokenizer, eos ids): a random init of `model_cfg` or the folder `cfg.model`
+    (with a distillation `teacher`, a random init is its draft: `astrai.train.distill.draft_config`)."""
     tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer is not None else None
     if model_cfg is not None:
-        if tokenizer is not None:
+        if teacher is not None:
+            model_cfg, tokenizer = draft_config(model_cfg, teacher, tokenizer)
+        elif tokenizer is not None:
             eos = tokenizer.eos_token_ids
             model_cfg = attrs.evolve(model_cfg, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None)
         params = init_params(attrs.evolve(model_cfg, dtype="float32"), seed=cfg.seed, device=device)
@@ -140,7 +146,12 @@ class _Run:
         self.device = self.dist.device
         self.run_dir = Path(cfg.out_dir)
         torch.manual_seed(cfg.seed)
-        self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, model_cfg, self.device)
+        self.teacher = None  # distillation: the frozen teacher, loaded first (a bad folder fails before anything)
+        if cfg.distill is not None:
+            self.teacher = load_teacher(cfg.distill, self.device, bf16=cfg.precision == "bf16")
+        self.model_cfg, self.base, self.tokenizer, self.eos = _base_model(cfg, model_cfg, self.device, self.teacher)
+        if self.teacher is not None:
+            check_teacher(self.teacher, cfg.distill.teacher, self.model_cfg, self.tokenizer)
         check_tp_run(cfg.tp, self.model_cfg, self.dist.world_size)
         # TP x DP (astrai.train.tp): the ranks of one TP group read the same data shard (the dp index)
         self.layout = make_layout(cfg.tp, self.dist.rank, self.dist.world_size, self.device)
@@ -183,6 +194,9 @@ class _Run:
                 self.model_cfg, self.opts, cfg.optim, cfg.grpo, trainable=self.state.trainable,
                 to_params=self.to_params, sharded=self.sharded,
             )  # fmt: skip
+        elif cfg.distill is not None:
+            self.step_fn = DistillStep(self.model_cfg, self.opts, cfg.optim, cfg.distill, teacher=self.teacher,
+                                       trainable=self.state.trainable, to_params=self.to_params)  # fmt: skip
         else:
             self.step_fn = TrainStep(
                 self.model_cfg, self.opts, cfg.optim, trainable=self.state.trainable, to_params=self.to_params,
