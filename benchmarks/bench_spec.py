@@ -1,23 +1,28 @@
-"""Speculative decoding (n-gram prompt lookup) against the same engine without it, alternating, batch 1 and 4.
+"""Speculative decoding (n-gram prompt lookup and draft models) against the same engine without it, alternating.
 
-Method. One random model of the named shape (SmolLM2-135M by default) with a trained tokenizer
-(`bench_serve.build_model`); two engines on it, compiled, foreground stepping, one with
-`speculative={"method": "ngram", ...}`. Each round times `Engine.run_batch` on both, alternating which goes
-first; the table reports the median tok/s of each with its min-max, the ratio of medians, the tokens per verified
-round (mean acceptance length + 1), the acceptance rate and the roofline fraction *equivalent* (tok/s x weight
-bytes / measured read bandwidth, the bandwidth probed once per round). Outputs must be token-identical in every
-run (the script exits 1 otherwise).
+Method. Two engines on the same weights, compiled, foreground stepping, one with `speculative=...`. Each round
+times `Engine.run_batch` on both, alternating which goes first; the table reports the median tok/s of each with
+its min-max, the ratio of medians, the tokens per verified round (mean acceptance length + 1), the acceptance
+rate and the roofline fraction *equivalent* (tok/s x weight bytes / measured read bandwidth, the bandwidth probed
+once per round; a draft's weights are not counted). Outputs must be token-identical in every run (the script
+exits 1 otherwise).
 
-Workloads (random weights cannot edit text, so these bound what the method can do on this machine):
-- `repeat`: greedy; a random model's greedy output falls into a loop, so nearly every guess passes: the upper
-  bound of the speed-up, and what the verify step costs when it always wins.
-- `nothing`: seeded sampling at temperature 1 from a random prompt: nothing to copy, guesses nearly always fail:
-  the cost of trying (goal >= 0.95x, held by the adaptive k).
-Not yet here (issue 43): the edit workload on a trained model and the distilled draft pair.
+Workloads (`--workloads`):
+- `repeat` (ngram, random SmolLM2-135M-shaped weights): greedy; a random model's greedy output falls into a
+  loop, so nearly every guess passes: the method's upper bound, and what the verify step costs when it wins.
+- `nothing` (ngram, same weights): seeded sampling at temperature 1 from a random prompt: nothing to copy, guesses
+  nearly always fail: the cost of trying (goal >= 0.95x, held by the adaptive k).
+- `prefix-draft` (draft, same shape): the target's blocks after the first `--prefix-layers` damped 100x and the
+  draft = those first blocks (shared embeddings and head; >= 4x fewer weight bytes): the draft's guesses mostly
+  pass, so this bounds what the draft machinery gives on a bandwidth-bound target (synthetic, like `repeat`).
+- `edit` (ngram): a small model trained through the quickstart machinery to rename a variable in a code snippet
+  (`spec_edit_task.py`, trained once into runs/spec_edit): real acceptance on output that copies its prompt.
+- `edit-draft` (draft): the same model with a draft distilled from it (`astrai train distill`, >= 4x smaller,
+  runs/spec_edit/draft), on the same prompts.
 
 Prints a rich table and the JSON report as the last stdout line.
-Usage: python benchmarks/bench_spec.py [--config smollm2-135m] [--rounds 3] [--new-tokens 128] [--k 4]
-       [--lookup 5 5] [--batch 1 4] [--smoke]
+Usage: python benchmarks/bench_spec.py [--workloads repeat nothing prefix-draft edit edit-draft] [--rounds 3]
+       [--new-tokens 128] [--k 4] [--lookup 5 5] [--batch 1 4] [--smoke]
 """
 
 from __future__ import annotations
@@ -29,83 +34,150 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_spec.json"
+WORKLOADS = ("repeat", "nothing", "prefix-draft", "edit", "edit-draft")
 
 
 def _measure(engine, prompts, params) -> tuple[float, list]:
     start = time.perf_counter()
-    outs = engine.run_batch(prompts, params)
+    outs = engine.run_batch(prompts, params) if isinstance(prompts[0], list) else engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return tokens / seconds, [o.outputs[0].token_ids for o in outs]
 
 
-def run(args: argparse.Namespace) -> dict:
+def _weight_bytes(model) -> int:
     import torch
+
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(model.params))
+
+
+def compare(model, prompts, params, spec: dict, *, rounds: int, batch: int, name: str) -> tuple[dict, bool]:
+    """One workload row: a plain and a speculating engine on `model`, `rounds` alternating timed runs each."""
     from bench_forward import memory_bandwidth_gbs
-    from bench_serve import build_model
 
     from astrai.inference.engine import Engine, EngineConfig
+
+    engines = {arm: Engine(model, EngineConfig(compile=True, kv_budget_tokens=8192, max_running=max(4, batch),
+                                               background=False, speculative=spec if arm == "spec" else None))
+               for arm in ("plain", "spec")}  # fmt: skip
+    identical = True
+    try:
+        for engine in engines.values():
+            _measure(engine, prompts, params)  # compiles and warms
+        rates: dict[str, list[float]] = {"plain": [], "spec": []}
+        bandwidths = []
+        before = engines["spec"].stats()
+        for r in range(rounds):
+            bandwidths.append(memory_bandwidth_gbs(1024, 3))
+            outputs = {}
+            for arm in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+                rate, outputs[arm] = _measure(engines[arm], prompts, params)
+                rates[arm].append(rate)
+            identical &= outputs["plain"] == outputs["spec"]
+        after = engines["spec"].stats()
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    drafts = after.spec_drafts - before.spec_drafts
+    proposed = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    bw = statistics.median(bandwidths)
+    row = dict(workload=name, method=spec.get("method", "draft"), batch=batch, k=spec["num_speculative_tokens"],
+               plain_tok_s=statistics.median(rates["plain"]), plain_range=[min(rates["plain"]), max(rates["plain"])],
+               spec_tok_s=statistics.median(rates["spec"]), spec_range=[min(rates["spec"]), max(rates["spec"])],
+               tokens_per_round=(accepted + drafts) / drafts if drafts else 0.0,
+               acceptance=accepted / proposed if proposed else 0.0, bandwidth_gbs=bw, identical=identical)  # fmt: skip
+    row["ratio"] = row["spec_tok_s"] / row["plain_tok_s"]
+    # per-stream equivalent: a batch of B reads the weights once per step for B streams
+    row["roofline_equiv"] = row["spec_tok_s"] / batch * _weight_bytes(model) / (bw * 1e9)
+    return row, identical
+
+
+def _prefix_pair(model, layers: int, folder: Path):
+    """`model` with its blocks after the first `layers` damped 100x, and its first `layers` blocks saved as a
+    draft in `folder` (the same tokenizer, embeddings and head)."""
+    import attrs
+    import torch
+
+    from astrai.io.model import Model, save
+
+    with torch.no_grad():
+        for block in model.params.blocks[layers:]:
+            block.attn.o_proj.weight.mul_(0.01)
+            block.mlp.down_proj.weight.mul_(0.01)
+    draft = Model(config=attrs.evolve(model.config, num_hidden_layers=layers),
+                  params=attrs.evolve(model.params, blocks=model.params.blocks[:layers]), tokenizer=model.tokenizer,
+                  eos_token_ids=model.eos_token_ids)  # fmt: skip
+    return str(save(draft, folder)), _weight_bytes(draft)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import tempfile
+
+    import torch
+    from bench_serve import build_model
+
+    import astrai
     from astrai.inference.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = build_model(args.config, args.vocab)
-    weight_bytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(model.params))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
-            "prompt_lookup_max": args.lookup[1]}  # fmt: skip
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
+             "prompt_lookup_max": args.lookup[1]}  # fmt: skip
+    greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
-    workloads = {
-        "repeat": (SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True),
-                   lambda: list(range(10, 10 + args.prompt // 2)) * 2),
-        "nothing": (SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=7, ignore_eos=True),
-                    lambda: torch.randint(3, model.config.vocab_size, (args.prompt,), generator=gen).tolist()),
-    }  # fmt: skip
-    results, identical = [], True
-    for name, (params, make_prompt) in workloads.items():
-        for batch in args.batch:
-            prompts = [make_prompt() for _ in range(batch)]
-            engines = {arm: Engine(model, EngineConfig(compile=True, kv_budget_tokens=8192, max_running=max(4, batch),
-                                                       background=False, speculative=spec if arm == "ngram" else None))
-                       for arm in ("plain", "ngram")}  # fmt: skip
-            try:
-                for engine in engines.values():
-                    engine.run_batch(prompts, params)  # compiles and warms
-                rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-                bandwidths = []
-                before = engines["ngram"].stats()
-                for r in range(args.rounds):
-                    bandwidths.append(memory_bandwidth_gbs(1024, 3))
-                    order = ("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")
-                    outputs = {}
-                    for arm in order:
-                        rate, outputs[arm] = _measure(engines[arm], prompts, params)
-                        rates[arm].append(rate)
-                    identical &= outputs["plain"] == outputs["ngram"]
-                after = engines["ngram"].stats()
-            finally:
-                for engine in engines.values():
-                    engine.shutdown()
-            drafts = after.spec_drafts - before.spec_drafts
-            proposed = after.spec_draft_tokens - before.spec_draft_tokens
-            accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-            bw = statistics.median(bandwidths)
-            row = dict(workload=name, batch=batch, k=args.k,
-                       plain_tok_s=statistics.median(rates["plain"]), plain_range=[min(rates["plain"]),
-                       max(rates["plain"])], ngram_tok_s=statistics.median(rates["ngram"]),
-                       ngram_range=[min(rates["ngram"]), max(rates["ngram"])],
-                       tokens_per_round=(accepted + drafts) / drafts if drafts else 0.0,
-                       acceptance=accepted / proposed if proposed else 0.0, bandwidth_gbs=bw)  # fmt: skip
-            row["ratio"] = row["ngram_tok_s"] / row["plain_tok_s"]
-            # per-stream equivalent: a batch of B reads the weights once per step for B streams
-            row["roofline_equiv"] = row["ngram_tok_s"] / batch * weight_bytes / (bw * 1e9)
+    results, identical, info = [], True, {}
+
+    def add(name, model, make_prompts, params, spec, batches):
+        nonlocal identical
+        for batch in batches:
+            row, same = compare(model, make_prompts(batch), params, spec, rounds=args.rounds, batch=batch, name=name)
             results.append(row)
-    return dict(benchmark="bench_spec", config=args.config, threads=args.threads, rounds=args.rounds, spec=spec,
-                new_tokens=args.new_tokens, prompt_tokens=args.prompt, weight_bytes=weight_bytes,
-                identical=identical, results=results)  # fmt: skip
+            identical &= same
+
+    random_names = {"repeat", "nothing", "prefix-draft"} & set(args.workloads)
+    if random_names:
+        model = build_model(args.config, args.vocab)
+        info["random_weight_bytes"] = _weight_bytes(model)
+        if "repeat" in args.workloads:
+            add("repeat", model, lambda b: [list(range(10, 10 + args.prompt // 2)) * 2 for _ in range(b)], greedy,
+                ngram, args.batch)  # fmt: skip
+        if "nothing" in args.workloads:
+            sampled = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=7, ignore_eos=True)
+            add("nothing", model, lambda b: [torch.randint(3, model.config.vocab_size, (args.prompt,),
+                                                           generator=gen).tolist() for _ in range(b)],
+                sampled, ngram, args.batch)  # fmt: skip
+        if "prefix-draft" in args.workloads:
+            with tempfile.TemporaryDirectory() as tmp:
+                draft_dir, info["prefix_draft_weight_bytes"] = _prefix_pair(model, args.prefix_layers, Path(tmp))
+                spec = {"model": draft_dir, "num_speculative_tokens": args.k}
+                add("prefix-draft", model, lambda b: [torch.randint(3, model.config.vocab_size, (args.prompt,),
+                                                                    generator=gen).tolist() for _ in range(b)],
+                    greedy, spec, [1])  # fmt: skip
+    if {"edit", "edit-draft"} & set(args.workloads):
+        from spec_edit_draft import build_edit_draft
+        from spec_edit_task import build_edit_model, edit_prompts
+
+        model_dir = build_edit_model(args.edit_dir)
+        model = astrai.load(model_dir)
+        info["edit_weight_bytes"] = _weight_bytes(model)
+        answer = SamplingParams(max_tokens=args.edit_tokens, temperature=0.0)  # the answer ends with EOS
+        prompts = edit_prompts(max(args.batch) * 4, seed=0)  # never trained on
+        if "edit" in args.workloads:
+            add("edit", model, lambda b: prompts[:b], answer, ngram, args.batch)
+        if "edit-draft" in args.workloads:
+            draft_dir = build_edit_draft(args.edit_dir)
+            info["edit_draft_weight_bytes"] = _weight_bytes(astrai.load(draft_dir))
+            add("edit-draft", model, lambda b: prompts[:b], answer,
+                {"model": str(draft_dir), "num_speculative_tokens": args.k}, [1])  # fmt: skip
+    return dict(benchmark="bench_spec", config=args.config, threads=args.threads, rounds=args.rounds, ngram=ngram,
+                new_tokens=args.new_tokens, prompt_tokens=args.prompt, identical=identical, results=results,
+                **info)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--config", default="smollm2-135m")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
@@ -114,35 +186,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    parser.add_argument(
-        "--lookup",
-        type=int,
-        nargs=2,
-        default=[5, 5],
-        metavar=("MIN", "MAX"),
-        help="prompt_lookup_min and _max (vLLM's defaults: 5 and 5)",
-    )
+    parser.add_argument("--prefix-layers", type=int, default=7, help="prefix-draft: the draft's blocks")
+    parser.add_argument("--edit-dir", type=Path, default=Path("runs/spec_edit"), help="edit: trained once here")
+    parser.add_argument("--edit-tokens", type=int, default=260, help="edit: max_tokens (answers end with EOS)")
+    parser.add_argument("--lookup", type=int, nargs=2, default=[5, 5], metavar=("MIN", "MAX"),
+                        help="prompt_lookup_min and _max (vLLM's defaults: 5 and 5)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 16 tokens, batch 1 (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.config, args.vocab, args.rounds, args.new_tokens, args.prompt, args.batch = "tiny", 300, 1, 16, 32, [1]
+        args.prefix_layers, args.lookup = 1, [1, 3]  # a 16-token output: short n-grams, or nothing matches
+        args.workloads = [w for w in args.workloads if not w.startswith("edit")]
     from _common import console, emit, table
 
     report = run(args)
-    cols = [
-        ("workload", ""),
-        ("batch", ""),
-        ("plain_tok_s", ".1f"),
-        ("ngram_tok_s", ".1f"),
-        ("ratio", ".2f"),
-        ("tokens_per_round", ".2f"),
-        ("acceptance", ".2f"),
-        ("roofline_equiv", ".2f"),
-        ("bandwidth_gbs", ".1f"),
-    ]
-    console.print(table(f"n-gram speculation vs plain decoding ({report['config']}, median of {args.rounds})",
-                        report["results"], cols))  # fmt: skip
+    cols = [("workload", ""), ("method", ""), ("batch", ""), ("plain_tok_s", ".1f"), ("spec_tok_s", ".1f"),
+            ("ratio", ".2f"), ("tokens_per_round", ".2f"), ("acceptance", ".2f"), ("roofline_equiv", ".2f"),
+            ("bandwidth_gbs", ".1f"), ("identical", "")]  # fmt: skip
+    console.print(table(f"speculation vs plain decoding (median of {args.rounds})", report["results"], cols))
     emit(report, args.out)
     if not report["identical"]:
         print("outputs differ between the engines", file=sys.stderr)

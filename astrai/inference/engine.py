@@ -89,7 +89,8 @@ class Engine:
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len,
                                    policy=cfg.scheduling_policy)  # fmt: skip
         self.scheduler.propose = speculative.proposer(cfg.speculative) if cfg.speculative is not None else None
-        runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=cfg.max_running,
+        rows = cfg.max_running * (1 + (cfg.speculative.num_speculative_tokens if cfg.speculative else 0))  # decode rows
+        runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=rows,
                          compile_prefill=cfg.resolved_compile_prefill(device.type), max_model_len=self.max_model_len,
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
         self.fatal: str | None = None  # why the engine cannot run any more (a tensor-parallel rank died)

@@ -322,10 +322,14 @@ class ModelRunner:
                 ids.append(-1 - previous.rows[item.seq])
             tokens += ids
             tokens += item.draft
-        tokens += [0] * (rows - len(plan))  # padding rows feed token 0
-        meta = make_attn_meta([item.seq.pages for item in plan], [item.start for item in plan],
-                              [item.num_new for item in plan], page_size=self.page_size, device="cpu",
-                              decode=decode, rows=rows, width=width)  # fmt: skip
+        if decode:  # a row per token: a speculating entry's k + 1 tokens are k + 1 rows over its pages
+            spans = [(item.seq.pages, item.start + i) for item in plan for i in range(item.num_new)]
+            pages, starts, new = [p for p, _ in spans], [s for _, s in spans], [1] * len(spans)
+        else:
+            pages, starts, new = [i.seq.pages for i in plan], [i.start for i in plan], [i.num_new for i in plan]
+        tokens += [0] * (rows - len(new))  # padding rows (requests) feed token 0
+        meta = make_attn_meta(pages, starts, new, page_size=self.page_size, device="cpu", decode=decode, rows=rows,
+                              width=width)  # fmt: skip
         tokens = torch.tensor(tokens, dtype=torch.int64)
         if self.cuda:  # pinned, so the copies to the device (the graph buffers' included) never wait for the stream
             return tokens.pin_memory(), tree_map(Tensor.pin_memory, meta)
@@ -340,10 +344,16 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------------------
     def plan_step(self, plan: Sequence[ScheduledSeq], sampling: list[int], previous: Launched | None = None
                   ) -> StepInputs:  # fmt: skip
-        """The host inputs of one forward: which path runs it, tokens, metadata and the rows to sample."""
-        decode = all(item.num_new == 1 for item in plan) and len(sampling) == len(plan)
+        """The host inputs of one forward: which path runs it, tokens, metadata and the rows to sample.
+
+        A step of decoding sequences, some with guesses, runs the decode step too (*batch expansion*): a
+        sequence's last token and its k guesses are k + 1 decode rows over its pages at consecutive positions.
+        Every row's K/V is stored before any row attends (`paged_attention`), so row i sees the guesses before it:
+        the causal extend, at the decode step's cost rather than the prefill path's (~12x a decode step for a
+        one-million-parameter model on CPU)."""
+        decode = all(item.num_new == 1 + len(item.draft) for item in plan) and len(sampling) == len(plan)
         if decode:
-            n, need = len(plan), max(len(item.seq.pages) for item in plan)
+            n, need = sum(item.num_new for item in plan), max(len(item.seq.pages) for item in plan)
             if self.graphs is not None and self.graphs.fits(bucket(n, self.max_running), need):
                 tokens, meta = self._host_meta(plan, decode=True, rows=bucket(n, self.max_running), width=need,
                                                previous=previous)  # fmt: skip

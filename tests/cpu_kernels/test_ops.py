@@ -202,6 +202,7 @@ assert torch.equal(torch.ops.astrai.cpu_matvec(x, [w]), matvec.matvec(x, [w]))
 """
 
 
+@pytest.mark.slow  # ~13 s: two processes, one C++ build; the CI set keeps the suite under its 15 minutes
 def test_a_damaged_cached_ops_library_is_rebuilt(tmp_path):
     """A truncated file under the C++ ops library's cache name (a crash mid-copy, a full disk): the next process
     rebuilds it and loads the C++ kernels, rather than failing or silently keeping the slow path."""
