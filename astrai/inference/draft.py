@@ -29,7 +29,7 @@ import torch
 from astrai.inference.cache import kv_bytes_per_token, make_attn_meta
 from astrai.inference.grammar import valid_prefix
 from astrai.inference.plan import SampledToken, ScheduledSeq
-from astrai.inference.runner import ModelRunner, StepInputs
+from astrai.inference.runner import ModelRunner, StepInputs, table_width
 from astrai.inference.speculative import PENDING
 from astrai.io.model import Model, load
 
@@ -145,9 +145,9 @@ class DraftProposer:
                 tokens = tokens.index_select(0, keep)
             active = active_now
             pages = [items[r].seq.pages for r in active]
-            width = max(2, 1 << max(0, max(len(p) for p in pages) - 1).bit_length())
             meta = make_attn_meta(pages, [items[r].start + step for r in active], [1] * len(active),
-                                  page_size=self.runner.page_size, device="cpu", decode=True, width=width)  # fmt: skip
+                                  page_size=self.runner.page_size, device="cpu", decode=True,
+                                  width=table_width(max(len(p) for p in pages)))  # fmt: skip
             logits = self.runner.run(StepInputs("decode", tokens, meta, len(active)))
             tokens = logits[:, : self.vocab_size].argmax(dim=-1)
             draws.append(tokens)

@@ -111,6 +111,13 @@ class Launched(NamedTuple):
     spans: list[int] | None = None
 
 
+def table_width(need: int) -> int:
+    """Block-table width for a step whose longest page list is `need`: the smallest power of two that fits (the CPU
+    path gathers the whole width, so it should stay small; with symbolic sizes a new width costs no recompile), at
+    least 2 (a width of 1 would get its own specialised graph)."""
+    return max(2, 1 << max(0, need - 1).bit_length())
+
+
 def resolve_placeholders(tokens: Tensor, previous: Tensor) -> Tensor:
     """Token ids with each placeholder `-1 - j` replaced by `previous[j]`, on the device (no host sync)."""
     return torch.where(tokens < 0, previous[(-1 - tokens).clamp(min=0)], tokens)
@@ -336,10 +343,7 @@ class ModelRunner:
         return tokens, meta
 
     def _width(self, plan: Sequence[ScheduledSeq]) -> int:
-        # the smallest power of two that fits (the CPU path gathers the whole width, so it should stay small;
-        # with symbolic sizes a new width costs no recompile)
-        need = max(len(item.seq.pages) for item in plan)
-        return max(2, 1 << max(0, need - 1).bit_length())  # >= 2: a width of 1 would get its own specialised graph
+        return table_width(max(len(item.seq.pages) for item in plan))
 
     # ---- one step -----------------------------------------------------------------------------------------
     def plan_step(self, plan: Sequence[ScheduledSeq], sampling: list[int], previous: Launched | None = None
