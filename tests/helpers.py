@@ -125,6 +125,15 @@ def tiny_model_dir(folder, *, seed: int = 0, max_position_embeddings: int = 2048
     return str(save(model, folder))
 
 
+def spec_engine(model, spec, **config):
+    """A small eager engine with speculative config `spec` (None: plain) for the speculative-decoding tests: 4096
+    tokens of KV in 16-token pages, seed 0; `config` overrides any EngineConfig field."""
+    from astrai.inference.engine import Engine, EngineConfig
+
+    options = {"compile": False, "kv_budget_tokens": 4096, "page_size": 16, "seed": 0, **config}
+    return Engine(model, EngineConfig(speculative=spec, **options))
+
+
 def draft_pair_dirs(folder, *, damp: float = 0.05) -> tuple[str, str]:
     """Save a tiny 2-layer target and its 1-layer draft (the target's first block, same tokenizer and head) under
     `folder`; the target's second block is damped by `damp`, so the draft's greedy guesses mostly pass."""

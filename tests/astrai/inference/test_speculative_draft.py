@@ -19,11 +19,10 @@ import torch
 
 import astrai
 from astrai.inference import engine_cache
-from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.io.model import save
 from astrai.io.tokenizer import train_tokenizer
-from helpers import draft_pair_dirs, tiny_model_dir
+from helpers import draft_pair_dirs, spec_engine, tiny_model_dir
 
 PROMPTS = [list(range(5, 25)) * 3, [7, 8, 9, 10] * 8, list(range(30, 90)), [3, 4] * 20 + list(range(100, 120))]
 
@@ -38,9 +37,7 @@ def _spec(draft_dir: str, k: int = 4) -> dict:
     return {"model": draft_dir, "num_speculative_tokens": k}  # vLLM's JSON: "model" alone means method "draft"
 
 
-def _engine(model, spec, **config) -> Engine:
-    options = {"compile": False, "kv_budget_tokens": 4096, "page_size": 16, "seed": 0, **config}
-    return Engine(model, EngineConfig(speculative=spec, **options))
+_engine = spec_engine
 
 
 def _run(model, spec, params: SamplingParams, prompts=PROMPTS, **config):

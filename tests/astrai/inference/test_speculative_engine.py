@@ -18,7 +18,7 @@ import torch
 
 import astrai
 from astrai.inference import engine_cache
-from astrai.inference.engine import Engine, EngineConfig
+from astrai.inference.engine import EngineConfig
 from astrai.inference.engine_config import EngineStats
 from astrai.inference.params import GrammarSpec, SamplingParams
 from astrai.inference.plan import SampledToken
@@ -28,7 +28,7 @@ from astrai.inference.scheduler import Scheduler
 from astrai.inference.seq import split_n
 from astrai.inference.speculative import AdaptiveK
 from astrai.ops.attention import pages_needed
-from helpers import tiny_model_dir
+from helpers import spec_engine, tiny_model_dir
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [list(range(5, 25)) * 3, [7, 8, 9, 10] * 8, list(range(30, 90)), [3, 4] * 20 + list(range(100, 120))]
@@ -39,9 +39,7 @@ def model(tmp_path_factory):
     return astrai.load(tiny_model_dir(tmp_path_factory.mktemp("spec") / "m"))
 
 
-def _engine(model, spec, **config) -> Engine:
-    options = {"compile": False, "kv_budget_tokens": 4096, "page_size": 16, "seed": 0, **config}
-    return Engine(model, EngineConfig(speculative=spec, **options))
+_engine = spec_engine
 
 
 def _run(model, spec, params: SamplingParams, prompts=PROMPTS, **config):
