@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 import threading
 import time
@@ -33,12 +34,21 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import attrs
 
 from astrai.inference import speculative
+from astrai.inference.adapters import Adapters, serve_adapters
+from astrai.inference.admission import check_request, encode_prompt
 from astrai.inference.budget import kv_pool_pages, pool_max_model_len
 from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.draft import DraftProposer, draft_kv_bytes, load_draft
 from astrai.inference.engine_config import EngineConfig, EngineStats
-from astrai.inference.errors import EngineBusyError, EngineDeadError, EngineInputError, RequestFailedError
+from astrai.inference.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineInputError,
+    LoRAError,
+    LoRANotFoundError,
+    RequestFailedError,
+)
 from astrai.inference.fast_paths import verify_at_start as verify_fast_paths
 from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
 from astrai.inference.grammar_check import compile_checked
@@ -56,9 +66,17 @@ from astrai.inference.tp import RankFailedError, TPRunner, tp_devices
 from astrai.io.model import Model
 from astrai.models.decoder import DecoderParams
 from astrai.models.tp import tp_config
-from astrai.ops.attention import pages_needed
 
-__all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "EngineStats", "RequestFailedError"]
+__all__ = [
+    "Engine",
+    "EngineBusyError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
+    "LoRAError",
+    "LoRANotFoundError",
+    "RequestFailedError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +93,11 @@ class Engine:
         device = tp_devices(tp_size)[0] if tp_size > 1 else model.device
         kv_cfg = tp_config(model.config, tp_size) if tp_size > 1 else model.config
         # the served tree: the model's own or a fused copy (made before the pool), unconfirmed GPU paths checked
-        self._fuse = should_fuse(model, cfg.fuse_projections, tensor_parallel=tp_size > 1)
+        self._fuse = should_fuse(model, cfg.fuse_projections and not cfg.enable_lora, tensor_parallel=tp_size > 1)
         self._fuse, self._served = verify_fast_paths(model, served_model(model, self._fuse), cfg)
+        self.adapters: Adapters | None = None  # multi-LoRA: slots in the served tree, before the pool is sized
+        if cfg.enable_lora:
+            self._served, self.adapters = serve_adapters(model, self._served, cfg)
         # speculation with a draft model: its K/V sits beside the target's, page for page (`astrai.inference.draft`)
         draft = load_draft(cfg.speculative.draft_model, model) if cfg.speculative_method == "draft" else None
         per_token = kv_bytes_per_token(kv_cfg, model.dtype) + draft_kv_bytes(draft)
@@ -88,6 +109,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.radix, max_running=cfg.max_running,
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len,
                                    policy=cfg.scheduling_policy)  # fmt: skip
+        self.scheduler.adapters = self.adapters
         self.scheduler.propose = speculative.proposer(cfg.speculative) if cfg.speculative is not None else None
         rows = cfg.max_running * (1 + (cfg.speculative.num_speculative_tokens if cfg.speculative else 0))  # decode rows
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=rows,
@@ -125,18 +147,22 @@ class Engine:
         *,
         request_id: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        lora: str | None = None,
     ) -> RequestHandle:
-        """Queue a request (text is encoded with the tokenizer, special tokens added).
+        """Queue a request (text is encoded with the tokenizer, special tokens added); `lora` names a loaded
+        adapter (`load_lora`) to generate with.
 
         Raises:
             EngineInputError: (a ValueError; `param` names the field) bad prompt or params, prompt + max_tokens
-                beyond the context (both numbers given), or n larger than the whole waiting queue.
+                beyond the context (both numbers given), or n larger than the whole waiting queue;
+                `LoRANotFoundError` for an adapter name that is not loaded.
             EngineBusyError: the waiting queue has no room for the request's n sequences.
             EngineDeadError: the engine stopped after an error.
         """
         params = params or SamplingParams()
-        ids = self._encode(prompt)
-        self._validate(ids, params)
+        ids = encode_prompt(self.model, prompt)
+        check_request(ids, params, self.config, max_model_len=self.max_model_len, num_pages=self.pool.num_pages,
+                      vocab_size=self.model.config.vocab_size)  # fmt: skip
         grammar = self.compile_grammar(params.grammar) if params.grammar is not None else None
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
@@ -148,22 +174,54 @@ class Engine:
         if grammar is not None:
             for seq in seqs:
                 seq.matcher = new_matcher(grammar)
+        adapter = None if lora is None else self._lora_on("model").pin(lora, len(seqs))
+        for seq in seqs:
+            seq.adapter = adapter
         handle = RequestHandle(request_id, abort=self.abort, loop=loop,
                                step=None if self.config.background else self.step)  # fmt: skip
         tracked = RequestDelivery(handle, seqs, self.model.tokenizer, time.perf_counter())
-        with self._cv:
-            if self._error is not None:
-                raise EngineDeadError(f"the engine stopped after an error: {self._error}")
-            if request_id in self._tracked:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            waiting = self._waiting_seqs()
-            if waiting + params.n > self.config.max_waiting:
-                raise EngineBusyError(f"{waiting} sequences are already waiting (at most {self.config.max_waiting}), "
-                                      f"no room for n={params.n}")  # fmt: skip
-            self._tracked[request_id] = tracked
-            self._inbox.append(tracked)
-            self._cv.notify()
+        try:
+            with self._cv:
+                if self._error is not None:
+                    raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+                if request_id in self._tracked:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                waiting = self._waiting_seqs()
+                if waiting + params.n > self.config.max_waiting:
+                    raise EngineBusyError(f"{waiting} sequences are already waiting (at most "
+                                          f"{self.config.max_waiting}), no room for n={params.n}")  # fmt: skip
+                self._tracked[request_id] = tracked
+                self._inbox.append(tracked)
+                self._cv.notify()
+        except Exception:
+            for _ in seqs if adapter is not None else ():
+                self.adapters.unpin(adapter)
+            raise
         return tracked.handle
+
+    # ---- LoRA adapters (multi-LoRA serving, `astrai.inference.adapters`) --------------------------------------
+    def load_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Read the PEFT adapter folder `path` (on this thread) and serve it as `name` (`submit(lora=name)`).
+
+        Raises:
+            LoRAError: LoRA serving is off, the name is taken, or the folder is missing, half-written, for
+                another base model, targets projections the base lacks or has a rank above `max_lora_rank`.
+        """
+        self._lora_on("lora_name").load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`: new requests cannot name it; those already submitted finish with it."""
+        self._lora_on("lora_name").unload(name)
+
+    def loras(self) -> dict[str, str]:
+        """Loaded adapter name -> folder, in load order."""
+        return self.adapters.loaded() if self.adapters is not None else {}
+
+    def _lora_on(self, param: str) -> Adapters:
+        if self.adapters is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with EngineConfig(enable_lora=True) "
+                            "(astrai serve --enable-lora)", param=param)  # fmt: skip
+        return self.adapters
 
     def compile_grammar(self, spec: GrammarSpec) -> Grammar:
         """Compile `spec` for this engine's tokenizer (cached on the view; the view is built on first use).
@@ -207,38 +265,6 @@ class Engine:
         """Sequences queued: the scheduler's waiting ones and the inbox's requests' (exact under _cv)."""
         return len(self.scheduler.waiting) + sum(len(tracked.seqs) for tracked in self._inbox)
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.model.tokenizer is None:
-                raise EngineInputError("this model has no tokenizer: pass token ids", param="prompt")
-            return self.model.tokenizer.encode_prompt(prompt)  # rendered template text keeps one BOS
-        return [int(t) for t in prompt]
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
-        params.check(vocab)
-        if not ids:
-            raise EngineInputError("the prompt is empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise EngineInputError(f"prompt token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
-        if params.priority and self.config.scheduling_policy != "priority":
-            policy = self.config.scheduling_policy
-            raise EngineInputError("priority needs the priority scheduling policy (astrai serve --scheduling-policy "
-                                   f"priority); this engine's is {policy!r}", param="priority")  # fmt: skip
-        if params.n > self.config.max_waiting:
-            raise EngineInputError(f"n={params.n} is more sequences than the engine's whole waiting queue "
-                                   f"(max_waiting={self.config.max_waiting})", param="n")  # fmt: skip
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise EngineInputError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} "
-                                   f"tokens, more than the model's context of {self.max_model_len} tokens",
-                                   param="max_tokens")  # fmt: skip
-        pages = pages_needed(total, self.config.page_size)
-        if pages > self.pool.num_pages - 1:
-            raise EngineInputError(f"the request needs {pages} KV pages but the pool has {self.pool.num_pages - 1}; "
-                                   "raise kv_budget_tokens", param="max_tokens")  # fmt: skip
-
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if it already finished)."""
         if not self.config.background:
@@ -250,10 +276,13 @@ class Engine:
 
     # ---- convenience ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip
-        """Submit a batch and wait for all of it; completions in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[Completion]:  # fmt: skip
+        """Submit a batch and wait for all of it; completions in prompt order. `lora`: one adapter name for every
+        prompt, or one per prompt (None: the base model)."""
         plist = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
-        handles = [self.submit(p, q) for p, q in zip(prompts, plist, strict=True)]
+        names = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        handles = [self.submit(p, q, lora=a) for p, q, a in zip(prompts, plist, names, strict=True)]
         return [h.result() for h in handles]
 
     def run_batch(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -291,8 +320,9 @@ class Engine:
             ValueError: `params` differs from the served tree in structure, shape, stride, dtype or device.
             RuntimeError: requests are in flight, or the engine is tensor parallel (its ranks hold copies).
         """
-        if isinstance(self.runner, TPRunner):
-            raise RuntimeError("a tensor-parallel engine does not take new weights: its ranks hold their own shards")
+        if isinstance(self.runner, TPRunner) or self.adapters is not None:
+            raise RuntimeError("a tensor-parallel or multi-LoRA engine does not take new weights: its ranks hold "
+                               "their own shards, its adapter slots sit on the served tree")  # fmt: skip
         if params is not None and (why := layout_difference(self.model.params, params)) is not None:
             raise ValueError(f"update_params needs a tree of the served structure, shapes, strides, dtypes and "
                              f"device: {why}")  # fmt: skip
@@ -342,9 +372,10 @@ class Engine:
         """Counters and KV usage (read without stopping the engine; may be one step stale)."""
         cached = self.radix.num_cached_pages if self.radix is not None else 0
         s, spec = self.scheduler.stats, self.scheduler.spec_stats
+        lora = self.adapters.stats(self.scheduler.waiting) if self.adapters is not None else {}
         return EngineStats(
             spec_drafts=spec.drafts, spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
-            spec_accepted_hist=tuple(spec.accepted_hist),
+            spec_accepted_hist=tuple(spec.accepted_hist), **lora,
             running=len(self.scheduler.running), waiting=self._waiting_seqs(),
             kv_pages_total=self.pool.num_pages - 1, kv_pages_used=self.pool.num_used - cached,
             kv_pages_cached=cached, kv_pages_free=self.pool.num_free,

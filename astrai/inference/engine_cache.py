@@ -27,16 +27,19 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 from rich.console import Console
 
 from astrai.inference.engine import Engine, EngineConfig
-from astrai.inference.errors import EngineInputError
+from astrai.inference.errors import EngineInputError, LoRAError
 from astrai.inference.outputs import Completion
 from astrai.inference.params import SamplingParams
 from astrai.inference.speculative import SpeculativeConfig
+from astrai.io.errors import CheckpointError, UnsupportedModelError
+from astrai.io.lora import ADAPTER_WEIGHTS, read_adapter_config
 from astrai.io.model import Model
 from astrai.ops.attention import pages_needed
 
@@ -57,6 +60,7 @@ class _Slot:
     engine: Engine | None = None
     lock: threading.Lock = attrs.field(factory=threading.Lock)
     batched: set[bool] = attrs.field(factory=set)  # "rows > 1" values seen since the engine was built
+    adapters: dict[str, float] = attrs.field(factory=dict)  # adapter folder -> its weights' mtime when loaded
 
 
 _slots: dict[int, _Slot] = {}  # id(model) -> slot; the finalizer removes it before the id can be reused
@@ -73,11 +77,46 @@ def _needs(prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[in
     return kv, len(prompts) * params.n
 
 
-def _config(kv_tokens: int, rows: int, *, compile: bool, speculative: SpeculativeConfig | None = None
-            ) -> EngineConfig:  # fmt: skip
+def _config(kv_tokens: int, rows: int, *, compile: bool, speculative: SpeculativeConfig | None = None,
+            loras: tuple[int, int] = (0, 0)) -> EngineConfig:  # fmt: skip
+    """An engine config; `loras` (slots, rank): multi-LoRA serving when slots > 0."""
+    lora = dict(enable_lora=True, max_loras=loras[0], max_lora_rank=loras[1]) if loras[0] else {}
     return EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=kv_tokens, max_running=rows,
                         max_step_tokens=max(2048, rows), compile=compile, background=False,
-                        speculative=speculative)  # fmt: skip
+                        speculative=speculative, **lora)  # fmt: skip
+
+
+def _lora_need(folders: Sequence[str | None] | None, old: EngineConfig | None) -> tuple[int, int]:
+    """(slots, rank) an engine needs for these adapter folders (powers of two, at least the old engine's)."""
+    distinct = {f for f in folders or () if f is not None}
+    if not distinct and (old is None or not old.enable_lora):
+        return 0, 0
+    try:
+        rank = max((read_adapter_config(f).r for f in distinct), default=1)
+    except (CheckpointError, UnsupportedModelError) as err:
+        raise LoRAError(str(err), param="lora") from None
+    slots, rank = _pow2(max(len(distinct), 1)), max(_pow2(rank), 8)
+    if old is not None and old.enable_lora:
+        slots, rank = max(slots, old.max_loras), max(rank, old.max_lora_rank)
+    return slots, rank
+
+
+def _load_adapters(slot: _Slot, engine: Engine, folders: Sequence[str | None] | None) -> None:
+    """Load each adapter folder (named by its path) the engine lacks, or whose weights changed on disk since."""
+    for folder in dict.fromkeys(f for f in folders or () if f is not None):
+        stamp = _mtime(folder)
+        if folder in engine.loras() and slot.adapters.get(folder) != stamp:
+            engine.unload_lora(folder)  # retrained in place: read it again (its cached prefixes go with it)
+        if folder not in engine.loras():
+            engine.load_lora(folder, folder)
+            slot.adapters[folder] = stamp
+
+
+def _mtime(folder: str) -> float:
+    try:
+        return (Path(folder) / ADAPTER_WEIGHTS).stat().st_mtime
+    except OSError:
+        return -1.0
 
 
 def _drop(key: int) -> None:
@@ -139,12 +178,13 @@ def _status(message: str) -> Iterator[None]:
         yield
 
 
-def _generate(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+def _generate(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+              lora: Sequence[str | None] | None = None) -> list[Completion]:  # fmt: skip
     """`Engine.generate`, but a prompt rejected by `submit` aborts the ones submitted before it."""
     handles = []
     try:
-        for prompt in prompts:
-            handles.append(engine.submit(list(prompt), params))
+        for i, prompt in enumerate(prompts):
+            handles.append(engine.submit(list(prompt), params, lora=lora[i] if lora is not None else None))
     except BaseException:
         for handle in handles:
             handle.abort()
@@ -159,10 +199,11 @@ def run_once(model: Model, prompts: Sequence[Sequence[int]], params: SamplingPar
         return _generate(engine, prompts, params)
 
 
-def run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, *, speculative: Any = None
-        ) -> list[Completion]:  # fmt: skip
+def run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, *, speculative: Any = None,
+        lora: Sequence[str | None] | None = None) -> list[Completion]:  # fmt: skip
     """Generate on the model's cached engine (built, or rebuilt bigger, when this call does not fit it, or with
-    the `speculative` config asked for when it differs)."""
+    the `speculative` config asked for when it differs). `lora`: an adapter folder (or None) per prompt; the
+    engine then serves adapter slots, and each folder is loaded once under its own path as name."""
     if not prompts:
         raise ValueError("no prompts given")
     if not isinstance(speculative, SpeculativeConfig):
@@ -171,20 +212,24 @@ def run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, 
     slot = _slot(model)
     with slot.lock:
         engine = slot.engine
+        loras = _lora_need(lora, engine.config if engine is not None else None)
         if (engine is None or engine.config.kv_budget_tokens < kv or engine.config.max_running < rows
-                or engine.config.speculative != speculative):  # fmt: skip
+                or engine.config.speculative != speculative or engine.config.max_loras < loras[0]
+                or engine.config.max_lora_rank < loras[1] or engine.config.enable_lora != bool(loras[0])):  # fmt: skip
             old = engine.config if engine is not None else None
             _shutdown(slot)  # its KV pool goes before the bigger one is allocated
             kv_tokens = max(_pow2(max(kv, MIN_KV_TOKENS)), old.kv_budget_tokens if old else 0)
             max_rows = max(_pow2(rows), old.max_running if old else 0)
             # the engine serves a copy sharing the tensors: the cache must not keep `model` itself alive
-            config = _config(kv_tokens, max_rows, compile=COMPILE, speculative=speculative)
+            config = _config(kv_tokens, max_rows, compile=COMPILE, speculative=speculative, loras=loras)
             engine = slot.engine = Engine(attrs.evolve(model), config)
+            slot.adapters.clear()
+        _load_adapters(slot, engine, lora)
         engine.invalidate_prefix_cache()  # weights may have changed in place since the last call
         compiling = engine.config.compile and (rows > 1) not in slot.batched
         try:
             with _status(COMPILING) if compiling else contextlib.nullcontext():
-                out = _generate(engine, prompts, params)
+                out = _generate(engine, prompts, params, lora)
         except EngineInputError:
             raise  # rejected before any step ran: the engine is as it was
         except BaseException:

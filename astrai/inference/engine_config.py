@@ -84,6 +84,19 @@ class EngineConfig:
     very tokens a run without it gives (greedy and seeded sampling). "draft" runs a smaller model sharing the
     tokenizer (`astrai.inference.draft`, loaded and checked at start) for the guesses. Sequences with a grammar
     decode plainly. Needs `overlap_schedule` off and one rank."""
+    enable_lora: bool = False
+    """Multi-LoRA serving (vLLM's `--enable-lora`): the served tree gets `max_loras` adapter slots on every attention
+    and MLP projection (`astrai.nn.lora_slots`); `Engine.load_lora` registers PEFT folders and `submit(lora=name)`
+    picks one per request, so one step mixes adapters and the base model. Not with tensor parallel or fused
+    projections (the slots are on the checkpoint's projections)."""
+    max_loras: int = 4
+    """Adapters resident in slots at once (vLLM's `--max-loras`, whose default is 1); a request whose adapter finds
+    every slot held by others waits for one."""
+    max_lora_rank: int = 16
+    """Largest adapter rank the slots hold (vLLM's `--max-lora-rank`); smaller ranks are zero-padded."""
+    max_cpu_loras: int | None = None
+    """Adapters whose weights stay in host memory (vLLM's `--max-cpu-loras`; None: max_loras); others are read
+    again from their folders when a request names them."""
     background: bool = True
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline
@@ -110,6 +123,15 @@ class EngineConfig:
         if self.speculative is not None:
             if self.overlap_schedule or self.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding needs overlap_schedule off and tensor_parallel_size=1")
+        if self.enable_lora:
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                                 f"{self.max_lora_rank}")  # fmt: skip
+            if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            if self.tensor_parallel_size > 1 or self.fuse_projections:
+                raise ValueError("enable_lora needs tensor_parallel_size=1 and fuse_projections off: the adapter "
+                                 "slots sit on the checkpoint's own projections")  # fmt: skip
         if self.overlap_schedule and self.tensor_parallel_size > 1:
             raise ValueError(
                 "overlap_schedule (astrai serve --async-scheduling) needs tensor_parallel_size=1: the ranks "
@@ -137,3 +159,6 @@ class EngineStats:
     spec_draft_tokens: int = 0  # guesses proposed
     spec_accepted_tokens: int = 0  # guesses accepted
     spec_accepted_hist: tuple[int, ...] = ()  # [a]: rounds that accepted exactly a guesses
+    lora_loaded: int = 0  # multi-LoRA serving: adapters loaded
+    lora_running: dict[str, int] = attrs.Factory(dict)  # running sequences per adapter name
+    lora_waiting: dict[str, int] = attrs.Factory(dict)  # waiting sequences per adapter name

@@ -20,6 +20,15 @@ class EngineInputError(ValueError):
         self.param = param
 
 
+class LoRAError(EngineInputError):
+    """An adapter the engine refuses (bad folder, rank above the slots, another base model, a name in use), or
+    LoRA serving is off; `param` names the field ("lora_path", "lora_name", "model")."""
+
+
+class LoRANotFoundError(LoRAError):
+    """No adapter is loaded under that name (the server answers 404 `model_not_found`)."""
+
+
 class RequestFailedError(RuntimeError):
     """One request that the engine ended with an error while it went on serving the others.
 

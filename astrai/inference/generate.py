@@ -16,7 +16,9 @@ vLLM's chat route do.
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,9 +73,25 @@ def _is_id(value: object) -> bool:
     return True
 
 
-def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, speculative: Any = None
-         ) -> list[Completion]:  # fmt: skip
-    return engine_cache.run(model, prompts, params, speculative=speculative)
+def _run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, speculative: Any = None,
+         lora: Any = None) -> list[Completion]:  # fmt: skip
+    return engine_cache.run(model, prompts, params, speculative=speculative, lora=_adapter_folders(lora, len(prompts)))
+
+
+def _adapter_folders(lora: Any, count: int) -> list[str | None] | None:
+    """`lora` as one resolved adapter folder (or None) per prompt; a ValueError names a bad entry."""
+    if lora is None:
+        return None
+    entries = [lora] * count if isinstance(lora, str | os.PathLike) else lora
+    if not isinstance(entries, Sequence) or len(entries) != count:
+        raise ValueError(f"lora must be an adapter folder, or a list of one folder (or None) per prompt: "
+                         f"{count} prompt(s), got {lora!r}")  # fmt: skip
+    out = []
+    for i, entry in enumerate(entries):
+        if entry is not None and not isinstance(entry, str | os.PathLike):
+            raise ValueError(f"lora[{i}] must be a PEFT adapter folder or None, got {type(entry).__name__}")
+        out.append(None if entry is None else str(Path(entry).resolve()))
+    return out
 
 
 def generate(
@@ -89,6 +107,7 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     add_special_tokens: bool = True,
     speculative: SpeculativeConfig | Mapping[str, Any] | str | None = None,
+    lora: str | os.PathLike | Sequence[str | os.PathLike | None] | None = None,
 ) -> list[str]:
     """Complete each prompt (text or token ids); returns the generated text per prompt.
 
@@ -115,6 +134,9 @@ def generate(
         speculative: speculative decoding (`SpeculativeConfig`, or vLLM's `--speculative-config` JSON as a dict or
             string, e.g. `{"method": "ngram", "num_speculative_tokens": 4}`): the same text, fewer forwards when
             the output repeats its prompt (the engine is rebuilt when this changes between calls).
+        lora: a LoRA adapter folder (PEFT format, as `astrai train --lora` saves it) for every prompt, or a list
+            of one folder or None (the base model) per prompt: one batch mixes them (multi-LoRA serving,
+            docs/inference.md). Each folder is read once per engine, again when its weights file changes.
 
     Returns:
         the completion text per prompt (special tokens left out), in prompt order; a single string prompt gives
@@ -129,7 +151,7 @@ def generate(
         raise ValueError("this model has no tokenizer: use generate_ids with token-id prompts")
     params = _params(max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids)
     ids = _prompt_ids(model, prompts, add_special_tokens)
-    return [c.outputs[0].text for c in _run(model, ids, params, speculative)]
+    return [c.outputs[0].text for c in _run(model, ids, params, speculative, lora)]
 
 
 def generate_ids(
@@ -142,20 +164,21 @@ def generate_ids(
     top_p: float = 1.0,
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    lora: str | os.PathLike | Sequence[str | os.PathLike | None] | None = None,
 ) -> list[list[int]]:
     """Generated token ids per prompt, the final stop token excluded; arguments and engine reuse as `generate`.
 
     Args:
         model: a loaded model (no tokenizer needed).
         prompts: token-id lists.
-        max_tokens, temperature, top_k, top_p, seed, stop_token_ids: as `generate`.
+        max_tokens, temperature, top_k, top_p, seed, stop_token_ids, lora: as `generate`.
 
     Returns:
         the new ids per prompt, in prompt order.
     """
     params = _params(max_tokens, temperature, top_k, top_p, seed, (), stop_token_ids)
     out = []
-    for completion in _run(model, _prompt_ids(model, prompts, True), params):
+    for completion in _run(model, _prompt_ids(model, prompts, True), params, lora=lora):
         result = completion.outputs[0]
         ids = list(result.token_ids)
         if result.finish_reason == "stop" and ids:

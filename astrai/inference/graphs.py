@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from astrai.inference.cache import NULL_PAGE
+from astrai.inference.step import LoRARows
 from astrai.ops.attention import AttnMeta
 
 
@@ -43,8 +44,11 @@ class DecodeGraphs:
         page_size: int,
         device: torch.device,
         capture: bool,
+        lora: bool = False,
     ) -> None:
-        """`step(tokens, meta)` is the decode step with the weights and the pool bound."""
+        """`step(tokens, meta[, lora])` is the decode step with the weights and the pool bound; with `lora` (the
+        served tree holds adapter slots) every graph reads each row's slot from a buffer of its own (-1: none),
+        so a new mix of adapters replays the same graphs."""
         self.step, self.page_size, self.capture = step, page_size, capture
         self.max_rows, self.width, self.device = max_rows, width, device
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
@@ -53,6 +57,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token per row
         self.block_table = torch.full((max_rows, width), NULL_PAGE, dtype=torch.int32, device=device)
+        self.slot_ids = torch.full((max_rows,), -1, dtype=torch.int64, device=device) if lora else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
 
@@ -68,11 +73,18 @@ class DecodeGraphs:
         )
 
     def _call(self, rows: int) -> Tensor:
-        return self.step(self.tokens[:rows], self._meta(rows))
+        if self.slot_ids is None:
+            return self.step(self.tokens[:rows], self._meta(rows))
+        return self.step(self.tokens[:rows], self._meta(rows), LoRARows(self.slot_ids[:rows]))
 
-    def _fill(self, tokens: Tensor, meta: AttnMeta) -> None:
+    def _fill(self, tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> None:
         """Copy a step's host metadata (already padded to its bucket) into the first rows of the buffers."""
         rows, width = meta.block_table.shape
+        if self.slot_ids is not None:
+            if lora is None:
+                self.slot_ids[:rows].fill_(-1)
+            else:
+                self.slot_ids[:rows].copy_(lora.slot_ids, non_blocking=True)
         self.tokens[:rows].copy_(tokens, non_blocking=True)
         self.positions[:rows].copy_(meta.positions, non_blocking=True)
         self.slot_mapping[:rows].copy_(meta.slot_mapping, non_blocking=True)
@@ -85,6 +97,8 @@ class DecodeGraphs:
         self.slot_mapping[:rows].fill_(-1)
         self.seq_lens[:rows].zero_()
         self.block_table[:rows].fill_(NULL_PAGE)
+        if self.slot_ids is not None:
+            self.slot_ids[:rows].fill_(-1)
 
     def _capture(self, rows: int) -> None:
         self._pad(rows)
@@ -123,9 +137,10 @@ class DecodeGraphs:
         """Whether a step of `rows` rows and a `width`-page block table fits the buffers."""
         return rows <= self.max_rows and width <= self.width
 
-    def run(self, tokens: Tensor, meta: AttnMeta) -> Tensor:
+    def run(self, tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> Tensor:
         """Logits [rows, V] of one decode step; `tokens` [rows] and `meta` are host tensors padded to a bucket
-        (padding rows: slot -1, length 0) with a block table no wider than the buffers'.
+        (padding rows: slot -1, length 0) with a block table no wider than the buffers'; `lora` each row's
+        adapter slot (None: no row has one).
 
         With graphs the result is the graph's output tensor, valid until the next replay of any bucket. A bucket
         `capture_all` skipped is captured here.
@@ -138,7 +153,7 @@ class DecodeGraphs:
             self._capture_or_explain(rows)
         if width < self.width:
             self.block_table[:rows, width:].fill_(NULL_PAGE)
-        self._fill(tokens, meta)
+        self._fill(tokens, meta, lora)
         if not self.capture:
             return self._call(rows)
         graph, out = self.graphs[rows]

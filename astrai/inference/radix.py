@@ -32,7 +32,7 @@ copy-on-write (a request writes only into pages it allocated itself). Ref: SGLan
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from astrai.inference.pool import NULL_PAGE, PagePool
 
@@ -93,7 +93,7 @@ class RadixCache:
         """hit_tokens / query_tokens, 0.0 before any query. Cumulative: `reset` keeps the statistics."""
         return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
 
-    def match(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+    def match(self, tokens: Sequence[int], salt: Hashable | None = None) -> list[int]:
         """Pages of the longest cached prefix of `tokens` made of full pages, root first.
 
         Marks the matched path as most recently used and counts hit statistics. Does not incref.
@@ -111,12 +111,12 @@ class RadixCache:
         self._hit_tokens += len(path) * self.page_size
         return [node.page for node in path]
 
-    def cached_pages(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+    def cached_pages(self, tokens: Sequence[int], salt: Hashable | None = None) -> list[int]:
         """Pages of the longest cached full-page prefix of `tokens` (under `salt`), without touching LRU stamps or
         statistics."""
         return [node.page for node in self._walk(tokens, len(tokens) // self.page_size, salt)]
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None = None) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: Hashable | None = None) -> int:
         """Cache the full pages of `tokens`, whose K/V are in `pages`; increfs every newly cached page.
 
         Where a prefix is already cached the existing page is kept and the caller's page is not cached.
@@ -212,7 +212,7 @@ class RadixCache:
             for key, child in node.children.items():
                 assert child.parent is node, f"page {child.page}: parent link does not match its parent's children"
                 assert child.key == key, f"page {child.page}: stored key differs from its key in the parent"
-                salted = node is root and len(key) == self.page_size + 1 and isinstance(key[0], str)
+                salted = node is root and len(key) == self.page_size + 1 and not isinstance(key[0], int)
                 assert len(key) == self.page_size or salted, f"page {child.page}: key has {len(key)} tokens"
                 assert child.page is not None, "a non-root node has no page"
                 assert child.page not in seen, f"page {child.page} is cached twice"
@@ -226,11 +226,11 @@ class RadixCache:
         missing = [leaf.page for leaf in leaves if leaf.uid not in live]
         assert not missing, f"leaves {missing} have no eviction heap entry (they could never be evicted)"
 
-    def _key(self, tokens: Sequence[int], i: int, salt: str | None = None) -> tuple:
+    def _key(self, tokens: Sequence[int], i: int, salt: Hashable | None = None) -> tuple:
         page = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-        return (salt, *page) if salt is not None and i == 0 else page  # a str never equals a token id
+        return (salt, *page) if salt is not None and i == 0 else page  # a str or tuple never equals a token id
 
-    def _walk(self, tokens: Sequence[int], n_pages: int, salt: str | None = None) -> list[_Node]:
+    def _walk(self, tokens: Sequence[int], n_pages: int, salt: Hashable | None = None) -> list[_Node]:
         """Nodes of the longest cached prefix of the first `n_pages` pages of `tokens` under `salt`, root excluded."""
         path: list[_Node] = []
         node = self._root

@@ -42,14 +42,16 @@ from astrai.inference.grammar import (
 )
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.layout import layout_difference
+from astrai.inference.lora_step import lora_rows, padding_rows
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.sampler import SampleOutput
 from astrai.inference.sampler_variants import SamplerVariants
 from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
-from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, decode_step, prefill_step
+from astrai.inference.step import SERVED_STEP_OPTIONS, LoRARows, compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
+from astrai.nn.lora_slots import slot_linears
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
 from astrai.ops.linear import MAX_REDUCE_ROWS, reduce_rows
@@ -63,10 +65,11 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_MIN_ROWS = MAX_REDUCE_ROWS + 1  # a compiled prefill step pads its tokens and sampled rows to at least this
 
 
-def _mark_dynamic(tokens: Tensor, meta: AttnMeta) -> None:
+def _mark_dynamic(tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> None:
     # batch size and block-table width change from step to step: compile them as symbolic sizes from the start,
     # instead of recompiling once per new size
-    for t in (tokens, meta.positions, meta.slot_mapping, meta.seq_lens, meta.cu_seqlens_q, meta.block_table):
+    rows = [t for t in lora or () if t is not None]
+    for t in (tokens, meta.positions, meta.slot_mapping, meta.seq_lens, meta.cu_seqlens_q, meta.block_table, *rows):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
 
@@ -87,12 +90,14 @@ class StepInputs(NamedTuple):
 
     `kind`: "graph" (decode replayed from the bucket's CUDA graph; tokens/meta padded to the bucket, `rows` the
     real batch size), "decode" (`rows` the batch size) or "prefill" (`rows` [M] the token rows to sample).
+    `lora`: multi-LoRA serving, each row's adapter slot (`lora_step`); None when no row has an adapter.
     """
 
     kind: str
     tokens: Tensor
     meta: AttnMeta
     rows: Tensor | int
+    lora: LoRARows | None = None
 
 
 class Launched(NamedTuple):
@@ -218,6 +223,7 @@ class ModelRunner:
         self.max_width = pages_needed(max_model_len, page_size)
         self.cache = init_kv_cache(self.cfg, num_pages, page_size, dtype=model.dtype, device=self.device)
         self.cuda = self.device.type == "cuda"
+        self.lora = bool(slot_linears(model.params))  # the served tree holds adapter slots (multi-LoRA)
         self.pack_weights = pack_weights and self.device.type == "cpu"
         if self.pack_weights:
             pack_cpu_weights(model)
@@ -267,20 +273,22 @@ class ModelRunner:
         """Decode over preallocated per-bucket rows; `capture` replays CUDA graphs (tests use False on CPU)."""
         decode, params, cache = self.compiled_decode or self.eager_decode, self.model.params, self.cache
 
-        def step(tokens: Tensor, meta: AttnMeta) -> Tensor:
+        def step(tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> Tensor:
             if self.compiled_decode is not None:
-                _mark_dynamic(tokens, meta)
-            return decode(params, tokens, meta, cache)
+                _mark_dynamic(tokens, meta, lora)
+            return decode(params, tokens, meta, cache, lora=lora)
 
         return DecodeGraphs(step, max_rows=bucket(self.max_running, self.max_running), width=self.max_width,
-                            page_size=self.page_size, device=self.device, capture=capture)  # fmt: skip
+                            page_size=self.page_size, device=self.device, capture=capture,
+                            lora=self.lora)  # fmt: skip
 
     @torch.inference_mode()
     def warm_prefill(self) -> None:
         """Compile the prefill step now (at engine start, like the decode graphs on CUDA), not on the first prompt:
         one step of padding requests only, which write nothing to the pool and attend to nothing."""
         tokens, meta = self._host_meta([], decode=False, rows=PREFILL_MIN_ROWS, width=2)
-        self.run(StepInputs("prefill", tokens, meta, torch.zeros(PREFILL_MIN_ROWS, dtype=torch.long)))
+        for lora in (None, padding_rows(meta)) if self.lora else (None,):  # the base graph and the LoRA one
+            self.run(StepInputs("prefill", tokens, meta, torch.zeros(PREFILL_MIN_ROWS, dtype=torch.long), lora))
 
     def decode_warm_sizes(self) -> list[int]:
         """Decode batch sizes that cover every graph the compiled CPU decode step can specialise: 1 (Dynamo's
@@ -303,7 +311,8 @@ class ModelRunner:
         if self.compiled_decode is not None and self.graphs is None:
             for rows in self.decode_warm_sizes():
                 tokens, meta = self._host_meta([], decode=True, rows=rows, width=2)
-                self.run(StepInputs("decode", tokens, meta, rows))
+                for lora in (None, padding_rows(meta)) if self.lora else (None,):
+                    self.run(StepInputs("decode", tokens, meta, rows, lora))
                 done["decode"].append(rows)
         middle = time.perf_counter()
         if self._sampler.compiled:
@@ -355,6 +364,11 @@ class ModelRunner:
         Every row's K/V is stored before any row attends (`paged_attention`), so row i sees the guesses before it:
         the causal extend, at the decode step's cost rather than the prefill path's (~12x a decode step for a
         one-million-parameter model on CPU)."""
+        step = self._plan_step(plan, sampling, previous)
+        return step._replace(lora=lora_rows(plan, step.meta)) if self.lora else step
+
+    def _plan_step(self, plan: Sequence[ScheduledSeq], sampling: list[int], previous: Launched | None
+                   ) -> StepInputs:  # fmt: skip
         decode = all(item.num_new == 1 + len(item.draft) for item in plan) and len(sampling) == len(plan)
         if decode:
             n, need = sum(item.num_new for item in plan), max(len(item.seq.pages) for item in plan)
@@ -378,19 +392,21 @@ class ModelRunner:
     def run(self, step: StepInputs) -> Tensor:
         """Run the forward of `step` (every tensor-parallel rank runs this with the same inputs); float32 logits."""
         if step.kind == "graph":
-            return self.graphs.run(step.tokens, step.meta)[: step.rows]
+            extra = () if step.lora is None else (step.lora,)
+            return self.graphs.run(step.tokens, step.meta, *extra)[: step.rows]
         tokens = upload(step.tokens, self.device)
         meta = tree_map(lambda t: upload(t, self.device), step.meta)
+        lora = None if step.lora is None else LoRARows(*(t if t is None else upload(t, self.device) for t in step.lora))
         if step.kind == "decode":
             if self.compiled_decode is not None:
-                _mark_dynamic(tokens, meta)
-            return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache)
+                _mark_dynamic(tokens, meta, lora)
+            return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache, lora=lora)
         rows = upload(step.rows, self.device)
         if self.compiled_prefill is not None:
-            _mark_dynamic(tokens, meta)
+            _mark_dynamic(tokens, meta, lora)
             torch._dynamo.maybe_mark_dynamic(rows, 0)
-            return self.compiled_prefill(self.model.params, tokens, meta, self.cache, rows)
-        return self.eager_prefill(self.model.params, tokens, meta, self.cache, rows)
+            return self.compiled_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
+        return self.eager_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
 
     @torch.inference_mode()
     def execute(self, plan: Sequence[ScheduledSeq], *, vocab_size: int) -> dict[int, SampledToken]:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from astrai.inference.adapters import Adapters
 from astrai.inference.grammar import accept, error_summary, is_finished, matcher_error, valid_prefix
 from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
@@ -78,6 +79,7 @@ class Scheduler:
         # speculative decoding: guesses for a decoding sequence, at most the given count (None: no speculation)
         self.propose: Callable[[Seq, int], Sequence[int]] | None = None
         self.spec_stats = SpecStats()
+        self.adapters: Adapters | None = None  # multi-LoRA serving: the adapter slots (`astrai.inference.adapters`)
 
     # ---- queue management ----------------------------------------------------------------------------
     def order(self, seq: Seq) -> tuple[int, int, int]:
@@ -110,6 +112,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             self._release(seq, cache=False)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._unpin(seq)
 
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -141,8 +144,8 @@ class Scheduler:
         if self.radix is None or done < self.page_size:
             return
         tokens = seq.all_tokens[:done]
-        self.radix.insert(tokens, seq.pages, seq.params.cache_salt)
-        cached = self.radix.cached_pages(tokens, seq.params.cache_salt)
+        self.radix.insert(tokens, seq.pages, seq.cache_key)
+        cached = self.radix.cached_pages(tokens, seq.cache_key)
         duplicates = [i for i, page in enumerate(cached) if seq.pages[i] != page]
         if duplicates:
             self.pool.incref([cached[i] for i in duplicates])
@@ -155,6 +158,14 @@ class Scheduler:
             self._cache(seq)
         self.pool.decref(seq.pages)
         seq.pages = []
+        if seq.lora_slot >= 0:  # leaving the running set: its adapter slot may serve another adapter now
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = -1
+
+    def _unpin(self, seq: Seq) -> None:
+        """A sequence ended: its adapter's host copy may go (`Adapters.unpin`)."""
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.unpin(seq.adapter)
 
     def _preempt(self, victim: Seq) -> None:
         """Recompute preemption: keep the generated tokens, drop the K/V (cached pages may survive in the radix)."""
@@ -237,18 +248,27 @@ class Scheduler:
         return guesses
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
-        plan = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+        """Admit waiting sequences in order. One whose adapter finds no free slot (every slot held by running
+        sequences of other adapters) waits in its place and lets the sequences behind it pass; anything else that
+        cannot be admitted (pages, an n > 1 leader's prefill) stops admission for this step."""
+        plan, at = [], 0
+        while at < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[at]
+            if seq.adapter is not None and seq.lora_slot < 0:
+                seq.lora_slot = self.adapters.acquire(seq.adapter)
+                if seq.lora_slot < 0:
+                    at += 1
+                    continue
             if seq.leader is not None and not self._leader_ready(seq.leader):
+                self._release(seq, cache=False)  # gives the slot back; it holds no pages yet
                 break  # strict FIFO: its prompt KV will be shareable once the leader's prefill is done
             hit_pages = self._match(seq)
             n = min(seq.num_tokens + seq.in_flight - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
-                self.pool.decref(seq.pages)
-                seq.pages, seq.num_computed = [], 0
+                self._release(seq, cache=False)
+                seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             seq.status = Status.RUNNING
             if seq.num_cached < 0:
                 seq.num_cached = hit_pages * self.page_size
@@ -266,7 +286,7 @@ class Scheduler:
         """Take the cached prefix pages of `seq` (at least one token is always left to compute, for its logits)."""
         if self.radix is None:
             return 0
-        pages = self.radix.match(seq.all_tokens[: seq.num_tokens - 1], seq.params.cache_salt)
+        pages = self.radix.match(seq.all_tokens[: seq.num_tokens - 1], seq.cache_key)
         self.pool.incref(pages)
         seq.pages, seq.num_computed = list(pages), len(pages) * self.page_size
         return len(pages)
@@ -372,3 +392,4 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq, cache=True)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        self._unpin(seq)

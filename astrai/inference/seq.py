@@ -92,6 +92,8 @@ class Seq:
     steering: Steering | None = None  # budget-aware closing of a constrained sequence (created on first use)
     error: str | None = None
     spec: Any = None  # speculative decoding's `AdaptiveK` for this sequence (None: it does not speculate)
+    adapter: Any = None  # multi-LoRA serving: its `adapters.Adapter` (None: the base model)
+    lora_slot: int = -1  # the adapter slot it holds while running (-1: none)
     _prompt_array: np.ndarray | None = attrs.field(default=None, init=False, repr=False)
     _output_array: np.ndarray = attrs.field(factory=lambda: np.empty(16, np.int64), init=False, repr=False)
     _output_synced: int = attrs.field(default=0, init=False, repr=False)
@@ -128,6 +130,12 @@ class Seq:
             self._output_array[self._output_synced : n] = self.outputs[self._output_synced :]
             self._output_synced = n
         return self._output_array[:n]
+
+    @property
+    def cache_key(self) -> Any:
+        """Its prefix-cache key: the request's `cache_salt`, joined to its adapter's load id when it has one (K/V
+        computed under one adapter never serves another, nor the base model)."""
+        return self.params.cache_salt if self.adapter is None else ("lora", self.adapter.uid, self.params.cache_salt)
 
     @property
     def num_tokens(self) -> int:

@@ -10,15 +10,25 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from astrai.models.config import ModelConfig
 from astrai.models.decoder import DecoderParams, forward
+from astrai.nn.lora_slots import bind_slots
 from astrai.ops.attention import AttnMeta, KVCache, LatentCache
 from astrai.ops.collectives import TensorParallel
+
+
+class LoRARows(NamedTuple):
+    """Which adapter slot each row of a step uses (multi-LoRA serving, `astrai.nn.lora_slots`): `slot_ids` [rows]
+    (-1: none); for a prefill step also its segments (a request's tokens share a slot) for the GPU kernel."""
+
+    slot_ids: Tensor
+    seg_starts: Tensor | None = None
+    seg_slots: Tensor | None = None
 
 
 def prefill_step(
@@ -30,6 +40,7 @@ def prefill_step(
     *,
     cfg: ModelConfig,
     tp: TensorParallel | None = None,
+    lora: LoRARows | None = None,
 ) -> Tensor:
     """Write the new tokens' K/V and return logits of the rows to sample.
 
@@ -39,10 +50,13 @@ def prefill_step(
         cache: the KV pool (written in place).
         logits_positions: [M] rows of `tokens` to compute logits for (usually each request's last token).
         tp: this rank's tensor-parallel group when `params` is its shard and `cfg` its local config.
+        lora: multi-LoRA serving (`params` holds adapter slots): each token's slot, and the prefill segments.
 
     Returns:
         [M, V] float32 logits.
     """
+    if lora is not None:
+        params = bind_slots(params, *lora)
     return forward(params, cfg, tokens, meta=meta, cache=cache, logits_positions=logits_positions, tp=tp)
 
 
@@ -54,8 +68,11 @@ def decode_step(
     *,
     cfg: ModelConfig,
     tp: TensorParallel | None = None,
+    lora: LoRARows | None = None,
 ) -> Tensor:
-    """One token per request: tokens [B] -> logits [B, V] (float32)."""
+    """One token per request: tokens [B] -> logits [B, V] (float32); `lora`: each row's adapter slot."""
+    if lora is not None:
+        params = bind_slots(params, *lora)
     return forward(params, cfg, tokens, meta=meta, cache=cache, tp=tp)
 
 

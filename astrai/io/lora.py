@@ -34,7 +34,7 @@ ADAPTER_FOLDER_ENTRIES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin")
 _PEFT_PREFIX = "base_model.model."
 _PEFT_NAME = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_lora", "save_lora"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_lora", "read_adapter_config", "save_lora"]
 
 
 def _peft_name(path: str, factor: str) -> str:
@@ -142,6 +142,15 @@ def _config_from_peft(d: dict[str, Any], source: Path) -> LoRAConfig:
         return LoRAConfig(r=d["r"], alpha=d["lora_alpha"], targets=names)
     except (TypeError, ValueError) as err:
         raise UnsupportedModelError(f"{source}: {err}") from None
+
+
+def read_adapter_config(folder: str | Path) -> LoRAConfig:
+    """The rank, alpha and targets of a PEFT adapter folder, from its `adapter_config.json` alone (no tensors
+    read). CheckpointError / UnsupportedModelError as `load_lora`."""
+    path = Path(folder) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found (expected a PEFT LoRA adapter folder)")
+    return _config_from_peft(read_json(path), path)
 
 
 def _peft_targeted(targeted: list[tuple[str, Any]], targets: str | list[str], source: Path) -> list[tuple[str, Any]]:

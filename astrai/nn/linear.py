@@ -5,8 +5,9 @@ so HF checkpoints load without a transpose (zero-copy from mmap) and both CPU an
 transposed-B path. A weight-only quantized projection (`astrai.models.quantize`) holds an int8 weight and its
 per-output-row `scale`; `linear()` hands both to the op.
 
-`LoRALinearParams` (a LinearParams plus low-rank adapters, see `astrai.nn.lora`) is defined here rather than
-in `lora.py` because `linear()` dispatches on it and `lora.py` builds on this module: keeping the class here
+`LoRALinearParams` (a LinearParams plus low-rank adapters, see `astrai.nn.lora`) and `SlotLoRALinearParams` (a
+LinearParams plus the engine's adapter slots, see `astrai.nn.lora_slots`) are defined here rather than beside
+their helpers because `linear()` dispatches on them and those modules build on this one: keeping the classes here
 avoids an import cycle.
 """
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from astrai.ops.linear import linear as linear_op
 from astrai.ops.linear import linears
+from astrai.ops.lora import lora_delta
 from astrai.tree import pytree, static
 
 
@@ -41,6 +43,20 @@ class LoRALinearParams(LinearParams):
     scaling: float = static(kw_only=True)  # alpha / r
 
 
+@pytree
+@attrs.frozen(eq=False)
+class SlotLoRALinearParams(LinearParams):
+    """A frozen base projection plus `max_loras` adapter slots; each row adds the update of its own slot's adapter
+    (`astrai.nn.lora_slots`, `astrai.ops.lora.lora_delta`). `slot_ids` is bound per step (None: base only)."""
+
+    lora_a: Tensor = attrs.field(kw_only=True)  # [S, R, in]: slot s holds its adapter's A, zero-padded to R rows
+    lora_b: Tensor = attrs.field(kw_only=True)  # [out, S, R]: slot s holds its adapter's B in b[:, s, :r]
+    scaling: Tensor = attrs.field(kw_only=True)  # [S] float32: alpha / r of each slot's adapter (0: empty)
+    slot_ids: Tensor | None = attrs.field(default=None, kw_only=True)  # [rows] int64, -1: no adapter
+    seg_starts: Tensor | None = attrs.field(default=None, kw_only=True)  # [G + 1]: prefill segments (GPU kernel)
+    seg_slots: Tensor | None = attrs.field(default=None, kw_only=True)  # [G]: each segment's slot
+
+
 def init_linear(
     in_features: int,
     out_features: int,
@@ -62,6 +78,8 @@ def linear(p: LinearParams, x: Tensor) -> Tensor:
     if isinstance(p, LoRALinearParams):
         # two thin products through the rank-r bottleneck; B @ A [out, in] is never materialised
         out = out + linear_op(linear_op(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)) * p.scaling
+    elif isinstance(p, SlotLoRALinearParams) and p.slot_ids is not None:
+        out = out + lora_delta(x, p.lora_a, p.lora_b, p.scaling, p.slot_ids, p.seg_starts, p.seg_slots)
     return out
 
 
@@ -111,7 +129,14 @@ def copy_concat_(fused: LinearParams, ps: tuple[LinearParams, ...]) -> None:
 
 def linear_group(ps: tuple[LinearParams, ...], x: Tensor) -> list[Tensor]:
     """[linear(p, x) for p in ps]: projections of one input (q/k/v, gate/up). Plain ones go through
-    `ops.linear.linears`, which runs them as one product when the CPU engine packed them together."""
+    `ops.linear.linears`, which runs them as one product when the CPU engine packed them together; so do the base
+    products of slot-adapted ones (the served multi-LoRA tree), each then adding its rows' adapter updates."""
     if all(plain(p) for p in ps):
         return linears(x, [p.weight for p in ps], [p.bias for p in ps])
+    if all(type(p) is SlotLoRALinearParams and p.scale is None for p in ps):
+        outs = linears(x, [p.weight for p in ps], [p.bias for p in ps])
+        if ps[0].slot_ids is None:
+            return outs
+        return [out + lora_delta(x, p.lora_a, p.lora_b, p.scaling, p.slot_ids, p.seg_starts, p.seg_slots)
+                for out, p in zip(outs, ps, strict=True)]  # fmt: skip
     return [linear(p, x) for p in ps]
