@@ -390,3 +390,13 @@ def cpu_kernels_off():
             os.environ.pop("ASTRAI_CPU_KERNELS", None)
         else:
             os.environ["ASTRAI_CPU_KERNELS"] = env
+
+
+def random_lora(params, cfg, seed: int, std: float = 0.3):
+    """`init_lora`'s A with a random, non-zero B (a fresh adapter's B = 0 would change nothing): a LoRA adapter
+    tree whose effect tests can see."""
+    from astrai.nn.lora import LoRAAdapter, init_lora
+
+    g = torch.Generator().manual_seed(seed)
+    return {p: LoRAAdapter(ad.lora_a, torch.randn(ad.lora_b.shape, generator=g) * std, ad.scaling)
+            for p, ad in init_lora(params, cfg, seed=seed).items()}  # fmt: skip

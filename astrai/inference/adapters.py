@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from astrai.inference.errors import LoRAError, LoRANotFoundError
 from astrai.io.errors import CheckpointError, UnsupportedModelError
@@ -89,6 +90,10 @@ class Adapters:
             lora, cfg = load_lora(folder, self.base)
         except (CheckpointError, UnsupportedModelError, ValueError, OSError) as err:
             raise LoRAError(f"LoRA adapter {path!r}: {err}", param="lora_path") from None
+        for where, ad in lora.items():  # a NaN in one slot would reach every row of a step (0 * NaN is NaN)
+            if not (torch.isfinite(ad.lora_a).all() and torch.isfinite(ad.lora_b).all()):
+                raise LoRAError(f"LoRA adapter {path!r}: the factors of {where} hold NaN or infinite values",
+                                param="lora_path")  # fmt: skip
         if cfg.r > self.max_rank:
             raise LoRAError(f"LoRA adapter {path!r} has rank {cfg.r}, above max_lora_rank {self.max_rank} "
                             "(astrai serve --max-lora-rank)", param="lora_path")  # fmt: skip
