@@ -202,3 +202,23 @@ def test_generate_takes_adapter_folders_per_prompt(model, adapters):
     ]  # the base, same engine
     with pytest.raises(ValueError, match="one folder"):
         astrai.generate(model, TEXTS[:3], lora=folders[:2])
+
+
+def test_decode_graph_buffers_carry_each_rows_slot(model, adapters, refs):
+    """The CUDA-graph path (called directly on CPU): each row's slot lives in a buffer of its own; a smaller batch
+    after a larger one must not read the slots the larger one left behind, and base-only steps read -1."""
+    names = ["r16", "r2", None, "r4", "r8", "r2", None, "r16"]
+    with lora_engine(model, adapters, background=False, max_running=8) as engine:
+        runner = engine.runner
+        runner.graphs = runner.make_decode_graphs(capture=False)
+        sizes = []
+        run = runner.graphs.run
+        runner.graphs.run = lambda tokens, meta, *lora: sizes.append(tokens.shape[0]) or run(tokens, meta, *lora)
+        handles = [engine.submit(TEXTS[i % 4], GREEDY, lora=n) for i, n in enumerate(names)]
+        for _ in range(4):
+            engine.step()
+        late = [engine.submit(TEXTS[1], GREEDY, lora=n) for n in ("r8", None)]  # join a shrinking batch
+        outs = [h.result() for h in handles + late]
+    assert len(set(sizes)) >= 2 and sizes != sorted(sizes)  # smaller batches after larger ones
+    for i, (out, name) in enumerate(zip(outs, [*names, "r8", None], strict=True)):
+        assert out.outputs[0].token_ids == refs[name][i % 4 if i < len(names) else 1], (i, name)
