@@ -6,6 +6,8 @@ by default. SIGINT/SIGTERM stop accepting connections, let in-flight requests fi
 names the model's tool-call format (default: detected from the chat template). `--embeddings` also
 serves `POST /v1/embeddings` (`--embed-pooling mean|cls|last`, `--no-embed-normalize`). Older astrai spellings
 stay as aliases (`--max-running` for `--max-num-seqs`, `--max-step-tokens` for `--max-num-batched-tokens`).
+`--enable-lora --lora-modules name=path ...` serves LoRA adapters beside the base model, picked by a request's
+`model` (docs/serving.md, "Serving LoRA adapters").
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import attrs
 import tyro
 
-from astrai.cli._common import ModelArgs, console, err_console, fail, load_model, parse, run_guarded, served_names
+from astrai.cli._common import (
+    USER_ERRORS,
+    ModelArgs,
+    console,
+    err_console,
+    fail,
+    load_model,
+    parse,
+    run_guarded,
+    served_names,
+)
 
 if TYPE_CHECKING:
     from astrai.inference.engine import Engine, EngineConfig
@@ -152,6 +164,22 @@ class ServeConfig(ModelArgs):
     """Most tokens one embeddings request may hold over all its inputs (OpenAI's limit); more is a 400."""
     max_embedding_batch_tokens: int | None = None
     """Padded tokens per encoder pass; requests take turns pass by pass. Default: --max-num-batched-tokens."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) of the base model; a request's `model` names the adapter it runs with."""
+    lora_modules: tuple[str, ...] = ()
+    """Adapters loaded at start, each name=path or vLLM's JSON '{"name": ..., "path": ..., "base_model_name": ...}'
+    (base_model_name: the served name its card gives as parent). Needs --enable-lora."""
+    max_loras: int = 4
+    """Most distinct adapters in one batch (device slots); requests for others wait for a free slot."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served (adapters of a higher rank are refused at load)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (least recently used out first). Default: --max-loras."""
+    enable_lora_runtime_updates: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+    behind the API key. Needs --enable-lora."""
+    lora_root: str | None = None
+    """Runtime loads may only read adapter folders under this folder (symlinks resolved); unset: any path."""
 
 
 def origin_list(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -169,6 +197,72 @@ def origin_list(values: tuple[str, ...]) -> tuple[str, ...]:
         else:
             out.append(value)
     return tuple(out)
+
+
+@attrs.frozen
+class LoRAModule:
+    """One `--lora-modules` entry: the adapter's name, its PEFT folder, and the served name its card gives as
+    parent (vLLM's base_model_name; None: the served name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_module(value: str) -> LoRAModule:
+    shape = 'name=path or a JSON object {"name": ..., "path": ..., "base_model_name": ...}'
+    if not value.lstrip().startswith("{"):
+        name, eq, path = value.partition("=")
+        if not (eq and name.strip() and path.strip()):
+            raise ValueError(f"--lora-modules {value!r}: expected {shape}")
+        return LoRAModule(name.strip(), path.strip())
+    try:
+        entry = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--lora-modules {value!r} is not valid JSON: {err}") from None
+    unknown = sorted(set(entry) - {"name", "path", "base_model_name"}) if isinstance(entry, dict) else []
+    if not isinstance(entry, dict) or unknown:
+        raise ValueError(
+            f"--lora-modules {value!r}: expected {shape}" + (f"; unknown keys {unknown}" if unknown else "")
+        )
+    name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        raise ValueError(f'--lora-modules {value!r}: "name" and "path" must be non-empty strings')
+    if base is not None and not isinstance(base, str):
+        raise ValueError(f'--lora-modules {value!r}: "base_model_name" must be a string')
+    return LoRAModule(name, path, base or None)
+
+
+def lora_modules(cfg: ServeConfig, served: tuple[str, ...]) -> list[LoRAModule]:
+    """The adapters `--lora-modules` names (name=path or vLLM's JSON form), checked against the other LoRA flags
+    and the served names (`served`: the base model's; an adapter may not take one, a base_model_name must be one).
+
+    Raises:
+        ValueError: a malformed entry (naming it), a name given twice, a LoRA flag without --enable-lora, a
+            --lora-root that is not a folder.
+    """
+    if not cfg.enable_lora:
+        given = [flag for flag, on in (("--lora-modules", cfg.lora_modules),
+                                       ("--enable-lora-runtime-updates", cfg.enable_lora_runtime_updates),
+                                       ("--lora-root", cfg.lora_root is not None)) if on]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)} needs --enable-lora (serving LoRA adapters is off without it)")
+        return []
+    if cfg.lora_root is not None and not Path(cfg.lora_root).expanduser().is_dir():
+        raise ValueError(f"--lora-root {cfg.lora_root!r} is not a folder")
+    modules = [_lora_module(value) for value in cfg.lora_modules]
+    seen: set[str] = set()
+    for module in modules:
+        if module.name in served:
+            raise ValueError(f"--lora-modules {module.name!r}: the base model is served under that name; give the "
+                             "adapter another")  # fmt: skip
+        if module.name in seen:
+            raise ValueError(f"--lora-modules: the name {module.name!r} is given twice")
+        if module.base_model_name is not None and module.base_model_name not in served:
+            raise ValueError(f"--lora-modules {module.name!r}: base_model_name {module.base_model_name!r} is not a "
+                             f"served model name ({', '.join(served)})")  # fmt: skip
+        seen.add(module.name)
+    return modules
 
 
 def sampling_defaults(choice: str, model: Model) -> dict[str, Any]:
@@ -197,7 +291,9 @@ def engine_config(cfg: ServeConfig):
                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
                         fuse_projections={"auto": None, "on": True, "off": False}[cfg.fuse_projections],
                         tensor_parallel_size=cfg.tensor_parallel_size, overlap_schedule=cfg.async_scheduling,
-                        scheduling_policy=cfg.scheduling_policy, speculative=cfg.speculative_config)  # fmt: skip
+                        scheduling_policy=cfg.scheduling_policy, speculative=cfg.speculative_config,
+                        enable_lora=cfg.enable_lora, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+                        max_cpu_loras=cfg.max_cpu_loras)  # fmt: skip
 
 
 def _prepare_grammar(engine: Engine) -> None:
@@ -246,6 +342,20 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _load_adapters(engine: Engine, modules: list[LoRAModule]) -> None:
+    """Load the `--lora-modules` adapters into `engine` before serving; a bad one stops the server with one error
+    line naming it and what is wrong (the engine is shut down first)."""
+    for module in modules:
+        start = time.perf_counter()
+        try:
+            engine.load_lora(module.name, Path(module.path).expanduser())
+        except USER_ERRORS as err:
+            engine.shutdown()
+            fail(f"--lora-modules {module.name}={module.path}: cannot load the LoRA adapter: {err}")
+        console.print(f"LoRA adapter [bold]{module.name}[/] loaded from {module.path} "
+                      f"({time.perf_counter() - start:.1f} s)", highlight=False)  # fmt: skip
+
+
 def _check_chat_template(model: Model) -> None:
     """Warn at start when the chat template fails on the simplest conversation (one user message): every request
     to /v1/chat/completions and /v1/messages would then be a 400. A warning, not a refusal: /v1/completions and
@@ -268,12 +378,14 @@ def main(cfg: ServeConfig) -> None:
     if cfg.cache_salt_by_api_key and not (cfg.api_key or os.environ.get("ASTRAI_API_KEY")):
         fail("--cache-salt-by-api-key needs --api-key (or ASTRAI_API_KEY): without keys every client is one tenant")
     engine_cfg = run_guarded(lambda: engine_config(cfg))
+    modules = run_guarded(lambda: lora_modules(cfg, served_names(cfg.model, cfg.served_model_name)))
     sock = run_guarded(lambda: listen_socket(cfg.host, cfg.port))
     with sock:  # uvicorn closes its servers, not the socket; an early failure leaves it open too
-        _serve(cfg, sock, origins, engine_cfg)
+        _serve(cfg, sock, origins, engine_cfg, modules)
 
 
-def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engine_cfg: EngineConfig) -> None:
+def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engine_cfg: EngineConfig,
+           modules: list[LoRAModule]) -> None:  # fmt: skip
     """Load the model, start the engine, build the app and run uvicorn on `sock` until interrupted."""
     from astrai.inference.engine import Engine
     from astrai.inference.graphs import GraphCaptureError
@@ -291,6 +403,7 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
             engine = run_guarded(lambda: Engine(model, engine_cfg))
         except GraphCaptureError as err:
             fail(str(err))
+    _load_adapters(engine, modules)
     threading.Thread(target=_prepare_grammar, args=(engine,), name="grammar-view", daemon=True).start()
     _warm_up(engine)
     kv_tokens = engine.stats().kv_pages_total * engine_cfg.page_size
@@ -302,6 +415,11 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
     name = names[0]
     embeddings = EncoderConfig(pooling=cfg.embed_pooling, normalize=cfg.embed_normalize) if cfg.embeddings else None
     api_key = cfg.api_key or os.environ.get("ASTRAI_API_KEY") or None
+    if cfg.enable_lora_runtime_updates and (api_key is None or cfg.lora_root is None):
+        risk = "any client that reaches the server" if api_key is None else "a client with the API key"
+        where = "from any folder this process can read (set --lora-root)" if cfg.lora_root is None else ""
+        err_console.print(f"[bold yellow]warning:[/] --enable-lora-runtime-updates: {risk} can load LoRA adapters "
+                          f"{where}".rstrip(), highlight=False, soft_wrap=True)  # fmt: skip
     app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=cfg.max_body_bytes,
                     embeddings=embeddings, body_timeout=cfg.body_timeout,
                     allowed_hosts=cfg.allowed_hosts or None, metrics_public=cfg.metrics_public,
@@ -316,7 +434,10 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                     cache_salt_by_api_key=cfg.cache_salt_by_api_key,
                     enable_prompt_tokens_details=cfg.enable_prompt_tokens_details,
                     max_reply_bytes=cfg.max_reply_bytes or None,
-                    stream_stall_timeout=cfg.stream_stall_timeout or None)  # fmt: skip
+                    stream_stall_timeout=cfg.stream_stall_timeout or None,
+                    lora_parents={m.name: m.base_model_name for m in modules if m.base_model_name},
+                    lora_runtime_updates=cfg.enable_lora_runtime_updates,
+                    lora_root=None if cfg.lora_root is None else str(Path(cfg.lora_root).expanduser()))  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

@@ -241,7 +241,9 @@ def routes(state: ServerState) -> list[Route]:
         return body
 
     async def messages(request: Request) -> Response:
-        req = parse_request(await checked_body(request))
+        body = await json_body(request)
+        lora = state.check_model(body)  # the LoRA adapter `model` names, None: the base model
+        req = parse_request(body)
         if req.thinking and state.reasoning_parser is None:
             raise APIError(400, "thinking: this server splits no reasoning off the output; start it with "
                                 "--reasoning-parser (qwen3 or deepseek_r1) to return thinking blocks")  # fmt: skip
@@ -253,10 +255,11 @@ def routes(state: ServerState) -> list[Route]:
                 await state.offload(state.engine.compile_grammar, params.grammar)
             except ValueError as err:
                 raise APIError(400, str(err)) from None
-        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": state.model_name}
+        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+                "model": state.reply_model(lora)}  # fmt: skip
         if state.log_requests:
             log_request(head["id"], request.url.path, list(req.messages), params)
-        handle = submit(state.engine, ids, params, busy_status=529)
+        handle = submit(state.engine, ids, params, busy_status=529, lora=lora)
         no_text = params.grammar is not None and req.forced is not None  # auto's grammar allows text (and thinking)
         thinkers = new_parsers(state.reasoning_parser, state.tokenizer, ids, constrained=no_text)
         gen = Generation(req, state.tool_parser, thinkers[0] if thinkers else None)

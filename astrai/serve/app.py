@@ -1,5 +1,6 @@
 """The Starlette app: OpenAI- and Anthropic-compatible routes around one `Engine`, plus health, metrics and vLLM's
-operational routes (`vllm_api`: /tokenize, /detokenize, /version, /ping).
+operational routes (`vllm_api`: /tokenize, /detokenize, /version, /ping) and LoRA adapters' (`lora_api`: cards,
+runtime load / unload, metrics).
 
 `build_app(engine, ...)` returns the ASGI app; `astrai serve` runs it on uvicorn. A pure-ASGI guard in front of
 the routes (`Guard`) enforces the optional API key (`Authorization: Bearer KEY` or `x-api-key: KEY`; on /v1/*,
@@ -30,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
-from astrai.serve import anthropic_api, embeddings_api, openai_api, responses_api, tenancy, vllm_api
+from astrai.serve import anthropic_api, embeddings_api, lora_api, openai_api, responses_api, tenancy, vllm_api
 from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
 
@@ -210,24 +211,27 @@ def _basic_routes(state: ServerState) -> list[Route]:
         return JSONResponse(body if down is None else {**body, "error": down}, status_code=200 if down is None else 503)
 
     async def metrics(request: Request) -> Response:
-        radix = state.engine.radix
-        prefix = (radix.query_tokens, radix.hit_tokens) if radix is not None else (0, 0)
-        text = state.metrics.render(state.engine.stats(), up=state.engine.unavailable is None, prefix_tokens=prefix)
+        engine, stats = state.engine, state.engine.stats()
+        prefix = (engine.radix.query_tokens, engine.radix.hit_tokens) if engine.radix is not None else (0, 0)
+        text = state.metrics.render(stats, up=engine.unavailable is None, prefix_tokens=prefix)
+        if engine.config.enable_lora:
+            text += "\n".join(lora_api.lora_lines(stats, list(state.adapters()), engine.config.max_loras)) + "\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # vLLM's card fields too: routers and clients read max_model_len (the context a request may fill)
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai",
             "root": state.model_name, "parent": None, "max_model_len": state.context}  # fmt: skip
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [card]})
+    async def models(request: Request) -> Response:  # the base model, then each LoRA adapter (`lora_api`)
+        return JSONResponse({"object": "list", "data": [card, *lora_api.adapter_cards(state)]})
 
     async def model(request: Request) -> Response:
-        # OpenAI's "retrieve model": the card of the served model, 404 in OpenAI's shape for any other id
+        # OpenAI's "retrieve model": the card of the served model or an adapter, 404 in OpenAI's shape for any other
         name = request.path_params["name"]
-        if name != state.model_name:
+        found = next((c for c in [card, *lora_api.adapter_cards(state)] if c["id"] == name), None)
+        if found is None:
             raise APIError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
-        return JSONResponse(card)
+        return JSONResponse(found)
 
     return [Route("/health", route(openai_error, health)), Route("/metrics", route(openai_error, metrics)),
             Route("/v1/models", route(openai_error, models)),
@@ -254,7 +258,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
               max_embedding_tokens_per_request: int = embeddings_api.MAX_REQUEST_TOKENS,
               max_embedding_batch_tokens: int | None = None, cache_salt_by_api_key: bool = False,
               enable_prompt_tokens_details: bool = False, max_reply_bytes: int | None = 32 << 20,
-              stream_stall_timeout: float | None = 30.0) -> ASGIApp:  # fmt: skip
+              stream_stall_timeout: float | None = 30.0, lora_parents: Mapping[str, str] | None = None,
+              lora_runtime_updates: bool = False, lora_root: str | None = None) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder), run on
@@ -281,14 +286,20 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
     estimated before generation (n, max_tokens, logprobs, echo, prompt_logprobs; over it: a 400 naming them;
     None: no bound); `stream_stall_timeout` aborts a stream whose client stopped reading for that many seconds
     (`common.stream_response`; None: never).
+    LoRA adapters loaded on an engine with `enable_lora` are served by name (`lora_api`): `lora_parents` maps an
+    adapter to the base name its card reports as `parent` (default `model_name`); `lora_runtime_updates` adds
+    `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`, which read only under `lora_root` when it is set.
 
     Raises:
         ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type;
-            `tool_call_parser` or `reasoning_parser` is not a parser's name; `cache_salt_by_api_key` without a key.
+            `tool_call_parser` or `reasoning_parser` is not a parser's name; `cache_salt_by_api_key` without a key;
+            `lora_runtime_updates` on an engine without `enable_lora`.
     """
     keys = api_key if api_key is None or isinstance(api_key, str) else tuple(api_key)
     if cache_salt_by_api_key and not keys:
         raise ValueError("cache_salt_by_api_key needs an api_key: without keys every client is the same tenant")
+    if lora_runtime_updates and not engine.config.enable_lora:
+        raise ValueError("lora_runtime_updates needs an engine with enable_lora (astrai serve --enable-lora)")
     state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(model_aliases), api_key=keys,
                         cache_salt_by_api_key=cache_salt_by_api_key,
                         enable_prompt_tokens_details=enable_prompt_tokens_details,
@@ -297,7 +308,9 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
                         embeddings=embeddings, metrics_public=metrics_public, tokenizer_workers=tokenizer_workers,
                         allow_special_tokens_in_content=allow_special_tokens_in_content,
                         sampling_defaults=sampling_defaults or {}, log_requests=log_requests,
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)  # fmt: skip
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                        lora_parents=dict(lora_parents or {}), lora_runtime_updates=lora_runtime_updates,
+                        lora_root=lora_root)  # fmt: skip
 
     embedder = None
     if embeddings is not None:
@@ -316,6 +329,7 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
     routes += embeddings_api.routes(state, embedder, max_request_tokens=max_embedding_tokens_per_request)
     routes += anthropic_api.routes(state)
     routes += responses_api.routes(state, max_stored=responses_max_stored, max_stored_bytes=responses_max_stored_bytes)
+    routes += lora_api.routes(state)
     state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
     state.metrics.model_name = model_name  # the vllm: families' model_name label
     app = Starlette(routes=routes, lifespan=lifespan)

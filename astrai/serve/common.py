@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from astrai.inference.engine import Engine, EngineBusyError, EngineDeadError, RequestFailedError
+from astrai.inference.errors import LoRANotFoundError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
@@ -283,16 +284,22 @@ def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
     return _StallGuardedStream(events, media_type="text/event-stream", headers=headers)
 
 
-def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, busy_status: int) -> RequestHandle:
-    """Queue a request on the engine, mapping its errors to API errors (busy -> 429 / 529); the request's tenancy
-    salts its prefix-cache pages (`tenancy.salted`)."""
+def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, busy_status: int,
+           lora: str | None = None) -> RequestHandle:  # fmt: skip
+    """Queue a request on the engine (with the LoRA adapter `lora`, None: the base model), mapping its errors to API
+    errors (busy -> 429 / 529; an adapter unloaded since the route checked its name -> 404 `model_not_found`); the
+    request's tenancy salts its prefix-cache pages (`tenancy.salted`)."""
+    adapter = {} if lora is None else {"lora": lora}
     try:
-        return engine.submit(prompt_ids, tenancy.salted(params), loop=asyncio.get_running_loop())
+        return engine.submit(prompt_ids, tenancy.salted(params), loop=asyncio.get_running_loop(), **adapter)
     except EngineBusyError as err:
         raise APIError(busy_status, f"the server is busy: {err}; retry later", type="rate_limit_error") from None
     except EngineDeadError as err:
         raise APIError(503, str(err), type="server_error") from None
     except ValueError as err:  # prompt too long, bad sampling values: the message names the field and numbers
+        if isinstance(err, LoRANotFoundError):  # unloaded since the route checked the name
+            raise APIError(404, f"The model `{lora[:200]}` does not exist or you do not have access to it.",
+                           param="model", code="model_not_found") from None  # fmt: skip
         raise APIError(400, str(err), param=getattr(err, "param", None)) from None  # EngineInputError.param
 
 
@@ -352,14 +359,14 @@ async def deltas(request: Request, handle: RequestHandle) -> AsyncIterator[Delta
             handle.abort()
 
 
-def submit_all(engine: Engine, requests: Sequence[tuple[list[int], SamplingParams]], *, busy_status: int
-               ) -> list[RequestHandle]:  # fmt: skip
+def submit_all(engine: Engine, requests: Sequence[tuple[list[int], SamplingParams]], *, busy_status: int,
+               lora: str | None = None) -> list[RequestHandle]:  # fmt: skip
     """`submit` each (prompt ids, params) in order; if one fails (the queue filled up meanwhile), the ones already
     queued are aborted before the error is raised, so a list of prompts runs whole or not at all."""
     handles: list[RequestHandle] = []
     try:
         for ids, params in requests:
-            handles.append(submit(engine, ids, params, busy_status=busy_status))
+            handles.append(submit(engine, ids, params, busy_status=busy_status, lora=lora))
     except BaseException:
         for handle in handles:
             handle.abort()

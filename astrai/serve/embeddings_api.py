@@ -308,7 +308,9 @@ def routes(state: ServerState, embedder: Embedder | None, *, max_request_tokens:
             raise APIError(404, "embeddings are not enabled on this server: start it with `astrai serve "
                            "--embeddings`", type="not_found_error")  # fmt: skip
         body = await common.json_body(request)
-        state.check_model(body)
+        if state.check_model(body) is not None:
+            raise APIError(400, "embeddings come from the base model: LoRA adapters are not applied to them; name "
+                                f"the base model ({state.model_name!r})", param="model")  # fmt: skip
         gone = threading.Event()
         watcher = asyncio.create_task(watch(request, gone))
         try:

@@ -3,7 +3,8 @@
 Exposed at `GET /metrics` (behind the API key when one is set, unless `astrai serve --metrics-public`):
 requests by endpoint and status, prompt, generated and embedded tokens, preemptions, time-to-first-token and
 inter-token latency histograms, and engine gauges (running, waiting, KV pages used/cached/free/capacity,
-prefix-cache hit rate). Updated from the event-loop thread only.
+prefix-cache hit rate). Updated from the event-loop thread only. With LoRA adapters served, `lora_api.lora_lines`
+adds the adapter families (loaded, running / waiting per adapter, vLLM's `vllm:lora_requests_info`).
 
 Beside the `astrai_*` families, vLLM's `vllm:` families under vLLM's names, labels and buckets
 (`vllm_metrics`), so dashboards, autoscalers and routers written for vLLM read astrai unchanged.

@@ -209,18 +209,19 @@ def _openai_call(call: ToolCall) -> dict:
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
-    state.check_model(body)
+    lora = state.check_model(body)
     chat = await state.offload(parse_chat, body, state.tokenizer, vocab_size=state.vocab_size, context=state.context,
                                allow_special_tokens=state.allow_special_tokens_in_content,
                                defaults=state.sampling_defaults, tool_parser=state.tool_parser,
                                request=request)  # fmt: skip
     big = common.check_reply_size(state.max_reply_bytes, chat_reply_parts(chat)) > common.BIG_REPLY_BYTES
     await compile_grammar(state, chat.params)
-    head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.model_name}
-    scored = None if chat.prompt_logprobs is None else (await _score(state, [chat.prompt], chat.prompt_logprobs))[0]
+    head = {"id": response_id(body, "chatcmpl"), "created": int(time.time()), "model": state.reply_model(lora)}
+    scored = None if chat.prompt_logprobs is None else (await _score(state, [chat.prompt], chat.prompt_logprobs,
+                                                                     lora))[0]  # fmt: skip
     if state.log_requests:
         common.log_request(head["id"], request.url.path, body.get("messages"), chat.params)
-    handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429)
+    handle = common.submit(state.engine, chat.prompt, chat.params, busy_status=429, lora=lora)
     if chat.stream:
         return common.stream_response(_chat_stream(state, request, handle, chat,
                                                    {**head, "object": "chat.completion.chunk"}))  # fmt: skip
@@ -318,19 +319,24 @@ def _summed_usage(completions: list[Completion], prompt_tokens: int = 0) -> dict
     return _with_cached(usage, sum(c.cached_tokens for c in completions))
 
 
-async def _score(state: ServerState, prompts: list[list[int]], top: int) -> list[PromptLogprobs]:
+async def _score(state: ServerState, prompts: list[list[int]], top: int, lora: str | None
+                 ) -> list[PromptLogprobs]:  # fmt: skip
     """Each prompt's token logprobs with `top` alternatives: a causal forward per prompt on the worker pool,
-    chunked over the vocabulary (`astrai.inference.score`)."""
+    chunked over the vocabulary (`astrai.inference.score`); the base model's only (a 400 with an adapter)."""
+    if lora is not None:
+        raise APIError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) are not available with a "
+                            "LoRA adapter: they score the base model only", param="prompt_logprobs")  # fmt: skip
     return await state.offload(prompt_logprobs, state.engine.model, prompts, top=top)
 
 
-async def _score_prompts(state: ServerState, req: CompletionRequest) -> list[PromptLogprobs] | None:
+async def _score_prompts(state: ServerState, req: CompletionRequest, lora: str | None
+                         ) -> list[PromptLogprobs] | None:  # fmt: skip
     """Each prompt's scores when the request echoes them with logprobs or asks for vLLM's `prompt_logprobs`
     (with the larger of the two counts of alternatives); None otherwise."""
     if not req.prompt_logprobs and req.prompt_top is None:
         return None
     top = max(req.logprobs or 0 if req.prompt_logprobs else 0, req.prompt_top or 0)
-    return await _score(state, [p.ids for p in req.prompts], top)
+    return await _score(state, [p.ids for p in req.prompts], top, lora)
 
 
 def _vllm_prompt_part(texts: TokenBytes, scores: list[PromptLogprobs] | None, k: int, req: CompletionRequest
@@ -367,7 +373,7 @@ async def _completion_deltas(state: ServerState, request: Request, handles: list
 
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
-    state.check_model(body)
+    lora = state.check_model(body)
     req = await state.offload(parse_completion, body, state.tokenizer, vocab_size=state.vocab_size, request=request,
                               context=state.context, defaults=state.sampling_defaults,
                               max_sequences=state.max_waiting)  # fmt: skip
@@ -375,12 +381,12 @@ async def _completions(state: ServerState, request: Request) -> Response:
     if req.prompts:
         await compile_grammar(state, req.prompts[0].params)  # every prompt has the same grammar
     head = {"id": response_id(body, "cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}  # fmt: skip
+            "model": state.reply_model(lora)}  # fmt: skip
     if state.log_requests:
         several = len(req.prompts) > 1  # then body["prompt"] is the list of them
         for k, (prompt, p) in enumerate(zip(body["prompt"] if several else [body["prompt"]], req.prompts, strict=True)):
             common.log_request(head["id"] + (f"[{k}]" if several else ""), request.url.path, prompt, p.params)
-    scores = await _score_prompts(state, req)
+    scores = await _score_prompts(state, req, lora)
     if not req.generate:
         choices = await state.offload(_echo_only, state, req, scores)  # the echoed logprobs may be big
         usage = _summed_usage([], sum(len(p.ids) for p in req.prompts))
@@ -388,7 +394,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
             return common.stream_response(_echo_stream(state, head, choices, usage if req.include_usage else None))
         reply = await state.offload(common.json_bytes, {**head, "choices": choices, "usage": usage}, big=big)
         return Response(reply, media_type="application/json")
-    handles = common.submit_all(state.engine, [(p.ids, p.params) for p in req.prompts], busy_status=429)
+    handles = common.submit_all(state.engine, [(p.ids, p.params) for p in req.prompts], busy_status=429, lora=lora)
     if req.stream:
         return common.stream_response(_completion_stream(state, request, handles, req, head, scores))
     async for _ in _completion_deltas(state, request, handles, req):

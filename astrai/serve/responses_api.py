@@ -272,10 +272,11 @@ def _usage(state: ServerState, handle: Any, assembler: _Assembler) -> dict | Non
             "output_tokens_details": {"reasoning_tokens": min(thought, completion.completion_tokens)}}  # fmt: skip
 
 
-async def _run(state: ServerState, request: Request, body: dict, req: ResponsesRequest, head: dict
-               ) -> AsyncIterator[dict]:  # fmt: skip
-    """The request's stream events, the last one `response.completed` / `response.incomplete` (then stored)."""
-    handle = common.submit(state.engine, req.chat.prompt, req.chat.params, busy_status=429)
+async def _run(state: ServerState, request: Request, body: dict, req: ResponsesRequest, head: dict,
+               lora: str | None) -> AsyncIterator[dict]:  # fmt: skip
+    """The request's stream events, the last one `response.completed` / `response.incomplete` (then stored); run
+    with the LoRA adapter `lora` (None: the base model)."""
+    handle = common.submit(state.engine, req.chat.prompt, req.chat.params, busy_status=429, lora=lora)
     asm = _Assembler(state, req)
     yield asm.event("response.created", response={**head, "status": "in_progress"})
     yield asm.event("response.in_progress", response={**head, "status": "in_progress"})
@@ -303,7 +304,7 @@ async def _run(state: ServerState, request: Request, body: dict, req: ResponsesR
 
 async def _create(state: ServerState, request: Request) -> Response:
     body = await common.json_body(request)
-    state.check_model(body)
+    lora = state.check_model(body)
     history: list[dict] = []
     previous = body.get("previous_response_id")
     if previous is not None:
@@ -320,11 +321,12 @@ async def _create(state: ServerState, request: Request) -> Response:
         await compile_grammar(state, req.chat.params)
     except APIError as err:
         raise attrs.evolve(err, param=rename_param(err.param)) from None
-    head = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()), "model": state.model_name,
-            "output": [], "usage": None, "incomplete_details": None, **_echo(body, req)}  # fmt: skip
+    head = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
+            "model": state.reply_model(lora), "output": [], "usage": None, "incomplete_details": None,
+            **_echo(body, req)}  # fmt: skip
     if state.log_requests:
         common.log_request(head["id"], request.url.path, req.messages, req.chat.params)
-    events = _run(state, request, body, req, head)
+    events = _run(state, request, body, req, head, lora)
     if req.chat.stream:
         return common.stream_response(_framed(state, events))
     last: dict = {}

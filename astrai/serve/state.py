@@ -12,6 +12,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -64,6 +65,12 @@ class ServerState:
     # `reasoning.PARSERS` name: split <think>...</think> into reasoning_content / thinking blocks; None: leave the
     # text as the model wrote it
     reasoning_parser: str | None = attrs.field(default=None, validator=lambda _s, _a, v: check_parser(v))
+    # LoRA adapters (`lora_api`): the parent their model cards name, by adapter (vLLM's base_model_name; unset:
+    # model_name); whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist; the folder runtime loads
+    # must read under (None: any)
+    lora_parents: dict[str, str] = attrs.Factory(dict)
+    lora_runtime_updates: bool = False
+    lora_root: Path | None = attrs.field(default=None, converter=lambda v: None if v is None else Path(v))
     _tokenizing: anyio.CapacityLimiter = attrs.field(
         init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
     )
@@ -96,17 +103,29 @@ class ServerState:
             return ()
         return (self.api_key,) if isinstance(self.api_key, str) else tuple(k for k in self.api_key if k)
 
-    def check_model(self, body: Mapping[str, Any]) -> None:
-        """APIError 404 `model_not_found` when the request's `model` names a model this server does not serve.
+    def check_model(self, body: Mapping[str, Any]) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model), or APIError 404 `model_not_found`
+        when it names a model this server does not serve.
 
-        A missing or empty `model` means the served one (as vLLM takes it); a non-string is left to the field
+        A missing or empty `model` means the base model (as vLLM takes it); a non-string is left to the field
         checks of the route, which name it.
         """
         name = body.get("model")
-        if isinstance(name, str) and name and name != self.model_name and name not in self.model_aliases:
-            # OpenAI's wording and code (the SDKs raise NotFoundError on the 404)
-            raise APIError(404, f"The model `{name[:200]}` does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")  # fmt: skip
+        if not isinstance(name, str) or not name or name == self.model_name or name in self.model_aliases:
+            return None
+        if name in self.adapters():
+            return name
+        # OpenAI's wording and code (the SDKs raise NotFoundError on the 404)
+        raise APIError(404, f"The model `{name[:200]}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")  # fmt: skip
+
+    def adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters, name -> folder, in load order (empty when the engine serves none)."""
+        return self.engine.loras() if self.engine.config.enable_lora else {}
+
+    def reply_model(self, lora: str | None) -> str:
+        """The `model` a reply reports: the adapter's name, else the served name."""
+        return self.model_name if lora is None else lora
 
     @property
     def tokenizer(self):

@@ -19,7 +19,9 @@ prometheus_client writes vLLM's. What each one counts here:
   (last token - first token) / (tokens - 1)), `vllm:e2e_request_latency_seconds` (submission to the end),
   `vllm:request_prompt_tokens` and `vllm:request_generation_tokens` (per request).
 
-Not here: vLLM's per-phase times (queue, prefill, decode, inference), speculative-decoding and LoRA families,
+`vllm:lora_requests_info` is `lora_api`'s (written only when the server serves LoRA adapters).
+
+Not here: vLLM's per-phase times (queue, prefill, decode, inference), speculative-decoding families,
 `vllm:cache_config_info`, the deprecated `gpu_*` aliases.
 """
 
