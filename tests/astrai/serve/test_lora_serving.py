@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import attrs
@@ -134,6 +135,19 @@ def test_model_picks_the_adapter_and_its_text_is_the_merged_models(lora_server, 
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     resp = oai.responses.create(model="adapter-a", input="hello", max_output_tokens=6, temperature=0)
     assert resp.model == "adapter-a" and resp.output_text == chat.choices[0].message.content
+
+
+def test_concurrent_requests_mix_adapters_in_one_batch(lora_server, oai):
+    """Requests for both adapters and the base at once (one engine batch): each gets its own model's text."""
+    names = ["adapter-a", "adapter-b", None] * 3
+    expected = {name: _merged_text(lora_server, name, PROMPT, 8) for name in set(names)}
+
+    def ask(name):
+        return oai.completions.create(model=name or BASE, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        texts = list(pool.map(ask, names))
+    assert texts == [expected[name] for name in names]
 
 
 def test_anthropic_messages_run_the_adapter(lora_server, oai):
