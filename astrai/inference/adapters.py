@@ -10,9 +10,10 @@ The served tree holds `max_loras` adapter slots (`astrai.nn.lora_slots`); this m
 - **Slots** (`acquire` / `release`, on the engine thread, from the scheduler): a sequence takes its adapter's
   slot when it is admitted and gives it back when it leaves the running set (finish, abort, preemption). An
   adapter already in a slot is reused as it is; otherwise the least recently used free slot is overwritten in
-  place (`write_slot`). When every slot is held by running sequences of other adapters, the sequence waits in the
-  queue (`acquire` says no; the scheduler lets sequences behind it that can run pass) and is admitted when a
-  slot frees: it never fails for want of a slot.
+  place (`Adapters.write`: `write_slot`, or under tensor parallel `TPRunner.write_slot`, which reaches every
+  rank). When every slot is held by running sequences of other adapters, the sequence waits in the queue
+  (`acquire` says no; the scheduler lets sequences behind it that can run pass) and is admitted when a slot
+  frees: it never fails for want of a slot.
 - **Unloading** (`unload`) removes the name at once for new requests; sequences already submitted with it finish
   under it, and its slot is free once the last one leaves.
 - **Prefix cache**: each load gets a new `uid`, and a sequence's cache key (`Seq.cache_key`) joins it to the
@@ -22,10 +23,11 @@ The served tree holds `max_loras` adapter slots (`astrai.nn.lora_slots`); this m
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +58,13 @@ class Adapter:
     removed: bool = False
 
 
-def serve_adapters(model: Model, served: Model, cfg: Any) -> tuple[Model, Adapters]:
+def serve_adapters(model: Model, served: Model, cfg: Any, *, slots: bool = True) -> tuple[Model, Adapters]:
     """The served model with adapter slots (`with_lora_slots`, per `EngineConfig`'s max_loras / max_lora_rank)
-    and the `Adapters` that fill them; adapters are read against `model`'s own tree."""
-    params = with_lora_slots(served.params, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
+    and the `Adapters` that fill them; adapters are read against `model`'s own tree. `slots=False` (tensor
+    parallel: each rank's shard has its own) leaves `served` as it is: set `Adapters.write` before serving."""
+    params = served.params
+    if slots:
+        params = with_lora_slots(params, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
     adapters = Adapters(model.params, params, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
                         max_cpu_loras=cfg.max_cpu_loras)  # fmt: skip
     return attrs.evolve(served, params=params), adapters
@@ -80,6 +85,7 @@ class Adapters:
         self._slot_tick = [0] * max_loras  # last use, for LRU among free slots
         self._tick, self._uid = 0, 0
         self._lock = threading.Lock()
+        self.write: Callable[[int, LoRAParams, float], None] = functools.partial(write_slot, served_params)
 
     # ---- caller threads -----------------------------------------------------------------------------------
     def _read(self, path: str) -> tuple[LoRAParams, LoRAConfig]:
@@ -181,7 +187,7 @@ class Adapters:
             evicted = self.slot_owner[slot]
             if evicted is not None:
                 evicted.slot = -1
-            write_slot(self.served, slot, lora, adapter.config.scaling)
+            self.write(slot, lora, adapter.config.scaling)
             self.slot_owner[slot], adapter.slot = adapter, slot
         self.slot_users[slot] += 1
         self._slot_tick[slot] = self._tick

@@ -96,8 +96,8 @@ class Engine:
         self._fuse = should_fuse(model, cfg.fuse_projections and not cfg.enable_lora, tensor_parallel=tp_size > 1)
         self._fuse, self._served = verify_fast_paths(model, served_model(model, self._fuse), cfg)
         self.adapters: Adapters | None = None  # multi-LoRA: slots in the served tree, before the pool is sized
-        if cfg.enable_lora:
-            self._served, self.adapters = serve_adapters(model, self._served, cfg)
+        if cfg.enable_lora:  # under tensor parallel the slots sit on each rank's shard (`TPRunner`)
+            self._served, self.adapters = serve_adapters(model, self._served, cfg, slots=tp_size == 1)
         # speculation with a draft model: its K/V sits beside the target's, page for page (`astrai.inference.draft`)
         draft = load_draft(cfg.speculative.draft_model, model) if cfg.speculative_method == "draft" else None
         per_token = kv_bytes_per_token(kv_cfg, model.dtype) + draft_kv_bytes(draft)
@@ -117,7 +117,10 @@ class Engine:
                          cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights)  # fmt: skip
         self.fatal: str | None = None  # why the engine cannot run any more (a tensor-parallel rank died)
         if tp_size > 1:
-            self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, **runner_kw)
+            slots = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
+            self.runner = TPRunner(model, size=tp_size, on_failure=self._rank_failed, lora_slots=slots, **runner_kw)
+            if self.adapters is not None:
+                self.adapters.write = self.runner.write_slot
         else:
             self.runner = ModelRunner(self._served, **runner_kw)
         self.draft = DraftProposer.start(draft, runner_kw, model.config.vocab_size)

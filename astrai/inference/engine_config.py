@@ -87,8 +87,9 @@ class EngineConfig:
     enable_lora: bool = False
     """Multi-LoRA serving (vLLM's `--enable-lora`): the served tree gets `max_loras` adapter slots on every attention
     and MLP projection (`astrai.nn.lora_slots`); `Engine.load_lora` registers PEFT folders and `submit(lora=name)`
-    picks one per request, so one step mixes adapters and the base model. Not with tensor parallel or fused
-    projections (the slots are on the checkpoint's projections)."""
+    picks one per request, so one step mixes adapters and the base model. Under tensor parallel every rank's shard
+    holds the slots, each adapter split like its base projection. Not with fused projections (the slots are on the
+    checkpoint's projections)."""
     max_loras: int = 4
     """Adapters resident in slots at once (vLLM's `--max-loras`, whose default is 1); a request whose adapter finds
     every slot held by others waits for one."""
@@ -129,9 +130,9 @@ class EngineConfig:
                                  f"{self.max_lora_rank}")  # fmt: skip
             if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-            if self.tensor_parallel_size > 1 or self.fuse_projections:
-                raise ValueError("enable_lora needs tensor_parallel_size=1 and fuse_projections off: the adapter "
-                                 "slots sit on the checkpoint's own projections")  # fmt: skip
+            if self.fuse_projections:
+                raise ValueError("enable_lora needs fuse_projections off: the adapter slots sit on the checkpoint's "
+                                 "own projections")  # fmt: skip
         if self.overlap_schedule and self.tensor_parallel_size > 1:
             raise ValueError(
                 "overlap_schedule (astrai serve --async-scheduling) needs tensor_parallel_size=1: the ranks "

@@ -16,6 +16,13 @@ names the rank and its exit code (the engine fails every request with it and `as
 a worker whose parent is gone exits on its own. CUDA graphs: each rank captures its own decode graphs at start,
 in the same bucket order, so the captured collectives pair up; the steps themselves run eagerly under tensor
 parallel (the collectives are not traced by torch.compile yet).
+
+Multi-LoRA serving (`lora_slots`): every rank's shard gets its own adapter slots (`with_lora_slots` on the shard),
+and adapters split like their base linear (`astrai.models.tp.shard_lora`). Slots are written on rank 0's engine
+thread (`Adapters.acquire` calls `TPRunner.write_slot`): rank 0 writes its shard at once and queues the write (slot,
+scaling, the adapter's full host tensors); the next `run` broadcasts the queued writes together with the step, and
+each worker writes its shard of them before that step's forward. So every rank's slots change between the same
+two forwards, and a step never reads a slot before every rank holds its adapter.
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ import torch.multiprocessing as mp
 
 from astrai.inference.runner import ModelRunner, StepInputs
 from astrai.io.model import Model
-from astrai.models.tp import check_tp, shard_params, tp_config
+from astrai.models.config import ModelConfig
+from astrai.models.tp import check_tp, shard_lora, shard_params, tp_config
+from astrai.nn.lora import LoRAAdapter, LoRAParams
+from astrai.nn.lora_slots import with_lora_slots, write_slot
 from astrai.ops.collectives import TensorParallel
 from astrai.tree import to_device
 
@@ -73,24 +83,40 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(3)
 
 
+_SlotWrite = tuple[int, LoRAParams, float]
+"""A queued adapter slot write: (slot, the adapter's full factors on the CPU, scaling)."""
+
+
+def _slotted(params: Any, lora_slots: tuple[int, int] | None) -> Any:
+    if lora_slots is None:
+        return params
+    return with_lora_slots(params, max_loras=lora_slots[0], max_rank=lora_slots[1])
+
+
 def _worker(
-    rank: int, size: int, port: int, device: torch.device, model: Model, runner_kw: dict, parent: int, threads: int
-) -> None:
-    """One rank 1..N-1: join the group, build the runner on the shard, replay rank 0's steps until told to stop."""
+    rank: int, size: int, port: int, device: torch.device, model: Model, runner_kw: dict, parent: int, threads: int,
+    full_cfg: ModelConfig, lora_slots: tuple[int, int] | None,
+) -> None:  # fmt: skip
+    """One rank 1..N-1: join the group, build the runner on the shard, replay rank 0's steps (and slot writes)
+    until told to stop."""
     try:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
         if device.type == "cpu":  # the ranks share the machine's cores: one rank's share of the threads each
             torch.set_num_threads(max(1, threads // size))
         _join(rank, size, port, device)
-        model = Model(config=model.config, params=to_device(model.params, device))
-        runner = ModelRunner(model, **runner_kw, tp=TensorParallel(rank=rank, size=size))
+        tp = TensorParallel(rank=rank, size=size)
+        model = Model(config=model.config, params=_slotted(to_device(model.params, device), lora_slots))
+        runner = ModelRunner(model, **runner_kw, tp=tp)
         with torch.inference_mode():
             while True:
                 box: list[Any] = [None]
                 dist.broadcast_object_list(box, src=0)
                 if box[0] is None:
                     break
-                runner.run(box[0])
+                writes, step = box[0]
+                for slot, lora, scaling in writes:  # before the forward: this step may read them
+                    write_slot(runner.model.params, slot, shard_lora(lora, full_cfg, tp), scaling)
+                runner.run(step)
         dist.destroy_process_group()
     except BaseException:
         print(f"astrai tensor-parallel rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -105,23 +131,34 @@ class TPRunner(ModelRunner):
     """Rank 0's runner: shards `model` over `size` ranks, starts ranks 1..N-1 and mirrors every forward to them."""
 
     def __init__(
-        self, model: Model, *, size: int, on_failure: Callable[[str], None] | None = None, **runner_kw: Any
+        self,
+        model: Model,
+        *,
+        size: int,
+        on_failure: Callable[[str], None] | None = None,
+        lora_slots: tuple[int, int] | None = None,
+        **runner_kw: Any,
     ) -> None:
-        """`model` is the full model (any device; it is sharded on the CPU); `runner_kw` are ModelRunner's."""
+        """`model` is the full model (any device; it is sharded on the CPU); `lora_slots`: (max_loras,
+        max_lora_rank) to give every rank's shard adapter slots (multi-LoRA serving); `runner_kw` are
+        ModelRunner's."""
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError("tensor-parallel inference starts its own process group: run it in a process that "
                                "has none (not under torchrun)")  # fmt: skip
         check_tp(model.config, size)
         self.size, self.on_failure, self._closing = size, on_failure, False
         self._lock, self._failed = threading.Lock(), False
+        self._writes: list[_SlotWrite] = []  # slot writes not yet sent to ranks 1..N-1 (the next `run` sends them)
         devices, cfg, port = tp_devices(size), model.config, _free_port()
+        self.full_cfg = cfg
         local_cfg = tp_config(cfg, size)
         full = to_device(model.params, "cpu")
         ctx = mp.get_context("spawn")
         self.procs = []
         for rank in range(1, size):
             shard = Model(config=local_cfg, params=shard_params(full, cfg, TensorParallel(rank=rank, size=size)))
-            args = (rank, size, port, devices[rank], shard, runner_kw, os.getpid(), torch.get_num_threads())
+            args = (rank, size, port, devices[rank], shard, runner_kw, os.getpid(), torch.get_num_threads(), cfg,
+                    lora_slots)  # fmt: skip
             proc = ctx.Process(target=_worker, args=args, name=f"astrai-tp-rank{rank}", daemon=True)
             proc.start()
             self.procs.append(proc)
@@ -134,16 +171,24 @@ class TPRunner(ModelRunner):
             self._kill()
             raise
         tp = TensorParallel(rank=0, size=size)
-        shard0 = Model(config=local_cfg, params=to_device(shard_params(full, cfg, tp), devices[0]),
-                       tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids)  # fmt: skip
+        params0 = _slotted(to_device(shard_params(full, cfg, tp), devices[0]), lora_slots)
+        shard0 = Model(config=local_cfg, params=params0, tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids)
         del full
         super().__init__(shard0, **runner_kw, tp=tp)
         threading.Thread(target=self._watch, name="astrai-tp-watchdog", daemon=True).start()
 
+    def write_slot(self, slot: int, lora: LoRAParams, scaling: float) -> None:
+        """Put adapter `lora` (its full factors) in slot `slot` on every rank: rank 0's shard now, the other ranks'
+        with the next step (`Adapters.write` under tensor parallel; on the engine thread, between steps)."""
+        write_slot(self.model.params, slot, shard_lora(lora, self.full_cfg, self.tp), scaling)
+        host = {path: LoRAAdapter(ad.lora_a.cpu(), ad.lora_b.cpu(), ad.scaling) for path, ad in lora.items()}
+        self._writes.append((slot, host, scaling))
+
     def run(self, step: StepInputs) -> torch.Tensor:
-        """Broadcast `step` to the other ranks, then run rank 0's part of the forward."""
+        """Broadcast the queued slot writes and `step` to the other ranks, then run rank 0's part of the forward."""
         try:
-            dist.broadcast_object_list([step], src=0)
+            writes, self._writes = self._writes, []
+            dist.broadcast_object_list([(writes, step)], src=0)
             return super().run(step)
         except Exception as err:  # a collective failed: say which rank is gone, rather than gloo's socket error
             message = self._dead_rank(wait=2.0)

@@ -1,4 +1,4 @@
-"""Tensor-parallel layout of a decoder: `tp_config`, `shard_params`, `unshard_params`, `region_replicated`.
+"""Tensor-parallel layout: `tp_config`, `shard_params`, `shard_lora`, `unshard_params`, `region_replicated`.
 
 A rank runs the ordinary decoder functions on its shard with its *local* config (heads, MLP width and shared
 expert width divided by the group size), plus three collectives (`astrai.ops.collectives`) at known places:
@@ -19,6 +19,12 @@ gate, MLA's q_a/kv_a projections and norms) only see this rank's heads or expert
 partial sum: training sums them over the ranks (`reduce_partial_grads`, which also sums a KV head replicated
 over several ranks); every other replicated leaf already gets the full gradient.
 The MLA latent cache is replicated (each rank writes the same latent), as in vLLM.
+
+LoRA adapters (multi-LoRA serving, `shard_lora`) split like their base linear, so a rank's update touches only its
+own rows or columns: a column-parallel projection's B [out, r] is cut by output rows exactly as the weight (k/v by
+the KV-head rule) and its A is replicated; a row-parallel projection's A [r, in] is cut by input columns and its B
+is replicated. A row-parallel rank then adds the partial update x_r A_r^T B^T to its partial product before the
+sub-layer's `tp_reduce`, which sums both once: sum_r x_r A_r^T = x A^T.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from astrai.models.config import ModelConfig
 from astrai.models.decoder import BlockParams, DecoderParams
 from astrai.nn.attention import AttentionParams
 from astrai.nn.linear import LinearParams, LoRALinearParams
+from astrai.nn.lora import LoRAAdapter, LoRAParams
 from astrai.nn.mla import MLAParams
 from astrai.nn.mlp import MLPParams
 from astrai.nn.moe import MoEParams
@@ -42,6 +49,7 @@ __all__ = [
     "check_tp",
     "reduce_partial_grads",
     "region_replicated",
+    "shard_lora",
     "shard_params",
     "tp_config",
     "unshard_params",
@@ -106,13 +114,17 @@ def _row(p: LinearParams, rank: int, size: int) -> LinearParams:
     return LinearParams(weight=_chunk(p.weight, 1, rank, size), bias=p.bias if rank == 0 else None, scale=p.scale)
 
 
-def _kv_rows(p: LinearParams, cfg: ModelConfig, rank: int, size: int) -> LinearParams:
-    """KV heads split by rank, or (fewer KV heads than ranks) the one head this rank's query heads read."""
-    if cfg.num_key_value_heads >= size:
-        return _column(p, rank, size)
+def _kv_pick(t: Tensor | None, cfg: ModelConfig, rank: int, size: int) -> Tensor | None:
+    """The rows of a K/V output tensor this rank keeps: its KV heads, or (fewer KV heads than ranks) the one head
+    its query heads read."""
+    if t is None or cfg.num_key_value_heads >= size:
+        return _chunk(t, 0, rank, size)
     head = rank * (cfg.num_attention_heads // size) // cfg.q_per_kv
-    rows = slice(head * cfg.head_dim, (head + 1) * cfg.head_dim)
-    pick = lambda t: None if t is None else t[rows].clone()  # noqa: E731
+    return t[head * cfg.head_dim : (head + 1) * cfg.head_dim].clone()
+
+
+def _kv_rows(p: LinearParams, cfg: ModelConfig, rank: int, size: int) -> LinearParams:
+    pick = lambda t: _kv_pick(t, cfg, rank, size)  # noqa: E731
     return LinearParams(weight=pick(p.weight), bias=pick(p.bias), scale=pick(p.scale))
 
 
@@ -165,7 +177,8 @@ def _shard_ffn(p: MLPParams | MoEParams, rank: int, size: int) -> MLPParams | Mo
 def shard_params(params: DecoderParams, cfg: ModelConfig, tp: TensorParallel) -> DecoderParams:
     """This rank's shard of a full parameter tree (new tensors; `params` is left as it is).
 
-    Refuses LoRA trees (adapters are not split yet). Run it with `tp_config(cfg, tp.size)` as the config.
+    Refuses LoRA trees (serving splits adapters on their own: `shard_lora`). Run it with `tp_config(cfg, tp.size)`
+    as the config.
     """
     check_tp(cfg, tp.size)
     if any(isinstance(leaf, LoRALinearParams) for leaf in _linears(params)):
@@ -191,6 +204,35 @@ def shard_params(params: DecoderParams, cfg: ModelConfig, tp: TensorParallel) ->
         norm=params.norm,
         lm_head=head,
     )
+
+
+_LORA_SPLIT = {"q_proj": "column", "gate_proj": "column", "up_proj": "column", "k_proj": "kv", "v_proj": "kv",
+               "o_proj": "row", "down_proj": "row"}  # fmt: skip
+
+
+def shard_lora(lora: LoRAParams, cfg: ModelConfig, tp: TensorParallel) -> LoRAParams:
+    """This rank's part of adapter `lora` (key path -> factors, as `astrai.io.lora.load_lora` reads it against the
+    full tree): split like the projection it adapts (module docstring); new tensors, on `lora`'s devices.
+
+    Raises:
+        ValueError: the adapter targets a projection that tensor parallel does not split by name.
+    """
+    if tp.size == 1:
+        return lora
+    rank, size, out = tp.rank, tp.size, {}
+    for path, ad in lora.items():
+        split = _LORA_SPLIT.get(path.rpartition(".")[2])
+        if split is None:
+            raise ValueError(f"tensor parallelism does not know how to split a LoRA adapter on {path}")
+        a, b = ad.lora_a, ad.lora_b
+        if split == "column":
+            b = _chunk(b, 0, rank, size)
+        elif split == "kv":
+            b = _kv_pick(b, cfg, rank, size)
+        else:
+            a = _chunk(a, 1, rank, size)
+        out[path] = LoRAAdapter(lora_a=a, lora_b=b, scaling=ad.scaling)
+    return out
 
 
 def _linears(tree: object) -> list[LinearParams]:

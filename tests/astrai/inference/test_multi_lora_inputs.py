@@ -105,7 +105,6 @@ def test_lora_needs_enabling_and_sane_settings(model, good):
         with pytest.raises(LoRAError):
             engine.unload_lora("good")
     for bad, message in [({"max_cpu_loras": 1, "max_loras": 2}, "max_cpu_loras"), ({"max_loras": 0}, ">= 1"),
-                         ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
                          ({"fuse_projections": True}, "fuse_projections")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             EngineConfig(enable_lora=True, **bad)
