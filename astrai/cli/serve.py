@@ -113,6 +113,10 @@ class ServeConfig(ModelArgs):
     """Threads that render chat templates and tokenize prompts, off the event loop (more requests queue)."""
     allow_special_tokens_in_content: bool = False
     """Encode special-token text in chat messages (`<|im_end|>`) as control tokens, not as plain text."""
+    data_parallel_size: Annotated[int, tyro.conf.arg(aliases=("-dp",))] = 1
+    """Engine replicas behind this one address (vLLM's flag): N worker processes, each a whole engine with its
+    share of the CPU cores (or its own GPUs, --tensor-parallel-size each), requests to the least busy one
+    (`astrai.serve.replicas`; needs httpx: pip install 'astrai[replicas]')."""
     compile: bool = True
     """torch.compile the decode step, and on CUDA the prefill step (compiled at start)."""
     cuda_graphs: bool = True
@@ -138,6 +142,10 @@ class ServeConfig(ModelArgs):
     """Log level of uvicorn and astrai's loggers: debug, info, warning, error or critical."""
     enable_log_requests: bool = False
     """Log each request's prompt text (a debug aid: request logs otherwise never carry prompts or the API key)."""
+    otlp_traces_endpoint: str | None = None
+    """OpenTelemetry: export a span tree per generation request (queue, prefill, decode, delivery; the client's
+    W3C traceparent honoured) to this OTLP collector URL (vLLM's flag; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+    http/protobuf (default) or grpc). Needs pip install 'astrai[tracing]'. Unset: no tracing at all."""
     tool_call_parser: ToolCallParserName | None = None
     """Format of the model's tool calls (vLLM's names). Default: detected from the chat template ([TOOL_CALLS]:
     mistral, <function=: qwen3_coder, <|python_tag|>: llama3_json, tool▁calls▁begin: deepseek_v3, else hermes)."""
@@ -375,13 +383,32 @@ def _check_chat_template(model: Model) -> None:
 def main(cfg: ServeConfig) -> None:
     """Bind the address, load the model, build the app and run uvicorn until interrupted."""
     origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
+    if cfg.otlp_traces_endpoint:  # the packages of the `tracing` extra, checked before anything is loaded
+        from astrai.serve.tracing import check_available
+
+        run_guarded(check_available)
+    if cfg.data_parallel_size < 1:
+        fail(f"--data-parallel-size must be >= 1, got {cfg.data_parallel_size}")
     if cfg.cache_salt_by_api_key and not (cfg.api_key or os.environ.get("ASTRAI_API_KEY")):
         fail("--cache-salt-by-api-key needs --api-key (or ASTRAI_API_KEY): without keys every client is one tenant")
     engine_cfg = run_guarded(lambda: engine_config(cfg))
     modules = run_guarded(lambda: lora_modules(cfg, served_names(cfg.model, cfg.served_model_name)))
     sock = run_guarded(lambda: listen_socket(cfg.host, cfg.port))
     with sock:  # uvicorn closes its servers, not the socket; an early failure leaves it open too
+        if cfg.data_parallel_size > 1:
+            from astrai.cli.serve_replicas import serve_replicas
+
+            return serve_replicas(cfg, sock, origins)
         _serve(cfg, sock, origins, engine_cfg, modules)
+
+
+def _tracer(endpoint: str | None):
+    """The request tracer exporting to `endpoint` over OTLP (`astrai.serve.tracing`); None without one."""
+    if not endpoint:
+        return None
+    from astrai.serve.tracing import Tracer
+
+    return run_guarded(lambda: Tracer.otlp(endpoint))
 
 
 def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engine_cfg: EngineConfig,
@@ -437,7 +464,8 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
                     stream_stall_timeout=cfg.stream_stall_timeout or None,
                     lora_parents={m.name: m.base_model_name for m in modules if m.base_model_name},
                     lora_runtime_updates=cfg.enable_lora_runtime_updates,
-                    lora_root=None if cfg.lora_root is None else str(Path(cfg.lora_root).expanduser()))  # fmt: skip
+                    lora_root=None if cfg.lora_root is None else str(Path(cfg.lora_root).expanduser()),
+                    tracer=_tracer(cfg.otlp_traces_endpoint))  # fmt: skip
     app = with_cors(app, origins, methods=cfg.allowed_methods, headers=cfg.allowed_headers,
                     credentials=cfg.allow_credentials)  # fmt: skip
     extra = f", embeddings: {cfg.embed_pooling} pooling" if cfg.embeddings else ""

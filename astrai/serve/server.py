@@ -285,7 +285,21 @@ def logging_config(level: str = "info") -> dict[str, Any]:
     return config
 
 
-class GracefulServer(uvicorn.Server):
+class StoppableServer(uvicorn.Server):
+    """A uvicorn.Server whose SIGTERM stop, once complete, is a success (exit status 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                # uvicorn re-raises the signals it caught once shut down, so the exit status would say "killed by
+                # SIGTERM"; a stop that was asked for and completed is a success (status 0). SIGINT still re-raises.
+                self._captured_signals = [sig for sig in self._captured_signals if sig != signal.SIGTERM]
+
+
+class GracefulServer(StoppableServer):
     """A uvicorn.Server that ends `engine`'s in-flight requests at ABORT_AT of the graceful timeout."""
 
     def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
@@ -309,13 +323,3 @@ class GracefulServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             handle.cancel()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            try:
-                yield
-            finally:
-                # uvicorn re-raises the signals it caught once shut down, so the exit status would say "killed by
-                # SIGTERM"; a stop that was asked for and completed is a success (status 0). SIGINT still re-raises.
-                self._captured_signals = [sig for sig in self._captured_signals if sig != signal.SIGTERM]
