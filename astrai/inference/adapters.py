@@ -23,11 +23,12 @@ The served tree holds `max_loras` adapter slots (`astrai.nn.lora_slots`); this m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from astrai.inference.errors import LoRAError, LoRANotFoundError
 from astrai.io.errors import CheckpointError, UnsupportedModelError
 from astrai.io.lora import load_lora
 from astrai.io.model import Model
-from astrai.nn.lora import LoRAConfig, LoRAParams
+from astrai.nn.lora import LoRAConfig, LoRAParams, apply_lora
 from astrai.nn.lora_slots import with_lora_slots, write_slot
 
 __all__ = ["Adapter", "Adapters", "LoRAError", "LoRANotFoundError", "serve_adapters"]
@@ -149,6 +150,16 @@ class Adapters:
             adapter.pins += count
             self._keep(adapter)
         return adapter
+
+    @contextlib.contextmanager
+    def applied(self, name: str, model: Model) -> Iterator[Model]:
+        """`model` with adapter `name` applied through `apply_lora` (the training path: an independent way to the
+        same numbers as the slots), its host copy pinned while the block runs."""
+        adapter = self.pin(name, 1)
+        try:
+            yield attrs.evolve(model, params=apply_lora(model.params, adapter.lora))
+        finally:
+            self.unpin(adapter)
 
     def unpin(self, adapter: Adapter) -> None:
         """One sequence of `adapter` ended."""

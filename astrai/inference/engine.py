@@ -22,6 +22,7 @@ q/k/v and gate/up instead (`layout.py`), and both calls write the new values int
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -219,6 +220,13 @@ class Engine:
     def loras(self) -> dict[str, str]:
         """Loaded adapter name -> folder, in load order."""
         return self.adapters.loaded() if self.adapters is not None else {}
+
+    def lora_model(self, name: str | None) -> contextlib.AbstractContextManager[Model]:
+        """`with engine.lora_model(name) as model:` the model with adapter `name` applied (the base model for None),
+        for work outside the engine's steps (prompt scoring); the adapter stays loaded until the block ends."""
+        if name is None:
+            return contextlib.nullcontext(self.model)
+        return self._lora_on("model").applied(name, self.model)
 
     def _lora_on(self, param: str) -> Adapters:
         if self.adapters is None:

@@ -322,11 +322,13 @@ def _summed_usage(completions: list[Completion], prompt_tokens: int = 0) -> dict
 async def _score(state: ServerState, prompts: list[list[int]], top: int, lora: str | None
                  ) -> list[PromptLogprobs]:  # fmt: skip
     """Each prompt's token logprobs with `top` alternatives: a causal forward per prompt on the worker pool,
-    chunked over the vocabulary (`astrai.inference.score`); the base model's only (a 400 with an adapter)."""
-    if lora is not None:
-        raise APIError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) are not available with a "
-                            "LoRA adapter: they score the base model only", param="prompt_logprobs")  # fmt: skip
-    return await state.offload(prompt_logprobs, state.engine.model, prompts, top=top)
+    chunked over the vocabulary (`astrai.inference.score`), under the request's adapter when it names one."""
+
+    def score() -> list[PromptLogprobs]:
+        with state.engine.lora_model(lora) as model:
+            return prompt_logprobs(model, prompts, top=top)
+
+    return await state.offload(score)
 
 
 async def _score_prompts(state: ServerState, req: CompletionRequest, lora: str | None

@@ -174,11 +174,23 @@ def test_an_unknown_model_is_a_404_model_not_found(lora_server, oai):
     assert absent.status_code == 200 and absent.json()["model"] == BASE
 
 
-def test_what_an_adapter_cannot_do_is_a_400(lora_server):
-    # prompt logprobs score the base model only
-    reply = lora_server.post("/v1/completions", {"model": "adapter-a", "prompt": "hi", "max_tokens": 1,
-                                                 "prompt_logprobs": 1})  # fmt: skip
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs", reply.text
+def test_prompt_logprobs_score_under_the_adapter(lora_server):
+    """lm-eval's loglikelihood requests (echo + logprobs) against an adapter score with that adapter: the same
+    numbers as `prompt_logprobs` on the model with the adapter merged, not the base model's."""
+    from astrai.inference.score import prompt_logprobs
+
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+    served = {name: lora_server.post("/v1/completions", {**body, "model": name}) for name in ("adapter-a", BASE)}
+    assert all(r.status_code == 200 for r in served.values()), [r.text for r in served.values()]
+    ids = lora_server.model.tokenizer.encode_prompt(PROMPT)
+    merged = attrs.evolve(
+        lora_server.model, params=merge_lora(lora_server.model.params, lora_server.adapters["adapter-a"])
+    )
+    expected = prompt_logprobs(merged, [ids])[0].logprobs[1:]
+    got = served["adapter-a"].json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    base = served[BASE].json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert got == pytest.approx(expected, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(got, base, strict=True)) > 1e-2  # negative control: the adapter matters
 
 
 def test_embeddings_refuse_an_adapter(lora_server):
