@@ -384,9 +384,7 @@ def main(cfg: ServeConfig) -> None:
     """Bind the address, load the model, build the app and run uvicorn until interrupted."""
     origins = run_guarded(lambda: origin_list(cfg.allowed_origins))
     if cfg.otlp_traces_endpoint:  # the packages of the `tracing` extra, checked before anything is loaded
-        from astrai.serve.tracing import check_available
-
-        run_guarded(check_available)
+        _tracing_error(lambda: None)
     if cfg.data_parallel_size < 1:
         fail(f"--data-parallel-size must be >= 1, got {cfg.data_parallel_size}")
     if cfg.cache_salt_by_api_key and not (cfg.api_key or os.environ.get("ASTRAI_API_KEY")):
@@ -402,13 +400,27 @@ def main(cfg: ServeConfig) -> None:
         _serve(cfg, sock, origins, engine_cfg, modules)
 
 
+def _tracing_error(make: Any) -> Any:
+    """`make()` once the tracing packages are found (`tracing.check_available`); else, or when it raises a
+    ValueError, `fail` with the message (its `[tracing]` kept, not read as markup)."""
+    from rich.markup import escape
+
+    from astrai.serve.tracing import check_available
+
+    try:
+        check_available()
+        return make()
+    except ValueError as err:  # TracingUnavailable, or a URL the exporter refuses
+        fail(escape(str(err)))
+
+
 def _tracer(endpoint: str | None):
     """The request tracer exporting to `endpoint` over OTLP (`astrai.serve.tracing`); None without one."""
     if not endpoint:
         return None
     from astrai.serve.tracing import Tracer
 
-    return run_guarded(lambda: Tracer.otlp(endpoint))
+    return _tracing_error(lambda: Tracer.otlp(endpoint))
 
 
 def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engine_cfg: EngineConfig,

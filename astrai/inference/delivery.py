@@ -88,6 +88,7 @@ class RequestDelivery:
 
     def __init__(self, handle: RequestHandle, seqs: list[Seq], tokenizer: Tokenizer | None, submitted: float) -> None:
         self.handle, self.seqs, self.submitted = handle, seqs, submitted
+        handle.submitted, handle.seqs = submitted, tuple(seqs)  # its times, for the caller to read after the fact
         self.texts = [SeqText(seq, tokenizer) for seq in seqs]
 
     def deliver(self, finish: Callable[[Seq, str], None]) -> bool:

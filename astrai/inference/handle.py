@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from astrai.inference.outputs import Completion, Delta
 
@@ -36,6 +37,15 @@ class RequestHandle:
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self.completion: Completion | None = None
+        # what the engine records of the request (`RequestDelivery` sets it), read after the fact by the server's
+        # request tracing: its submission (`time.perf_counter()` seconds) and its sequences (their `scheduled_at`)
+        self.submitted: float | None = None
+        self.seqs: tuple[Any, ...] = ()
+
+    @property
+    def first_scheduled(self) -> float | None:
+        """When the engine first scheduled one of the request's sequences (perf_counter seconds; None: not yet)."""
+        return min((t for seq in self.seqs if (t := seq.scheduled_at) is not None), default=None)
 
     def put(self, item: Delta | Completion | BaseException) -> None:
         """Deliver an item (engine side; thread-safe)."""

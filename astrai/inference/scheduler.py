@@ -33,6 +33,7 @@ returns to the last kept token and the pages past it go back to the pool, so a r
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -272,6 +273,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.num_cached < 0:
                 seq.num_cached = hit_pages * self.page_size
+                seq.scheduled_at = time.perf_counter()
             self.running.append(seq)
             plan.append(self._commit(seq, n))
             budget -= n

@@ -58,6 +58,8 @@ class Seq:
         pages: KV pool pages in logical order.
         num_computed: tokens whose K/V are in the pool.
         num_cached: prompt tokens served by the prefix cache at the first admission.
+        scheduled_at: `time.perf_counter()` seconds of the first admission (None before it): where the request's
+            queueing ends (read after the fact by the server's request tracing).
         in_flight: tokens scheduled to be sampled whose value has not reached `outputs` yet (see the module).
         prompt_cached: the prompt's K/V was computed and offered to the prefix cache (n > 1 followers wait for it).
         status: waiting / running / finished (written by the scheduler only).
@@ -82,6 +84,7 @@ class Seq:
     pages: list[int] = attrs.Factory(list)
     num_computed: int = 0
     num_cached: int = -1
+    scheduled_at: float | None = None
     in_flight: int = 0
     prompt_cached: bool = False
     status: Status = Status.WAITING

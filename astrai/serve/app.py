@@ -34,6 +34,7 @@ from astrai.models.encoder import EncoderConfig
 from astrai.serve import anthropic_api, embeddings_api, lora_api, openai_api, responses_api, tenancy, vllm_api
 from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
+from astrai.serve.tracing import Tracer
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they run the tokenizer (vLLM leaves them open)
@@ -111,6 +112,10 @@ class Guard:
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         status = {"code": 499}  # stays 499 when the client leaves before any answer
+        tracer = self.state.tracer  # request tracing (`tracing`); None: off, nothing is traced
+        trace = None if tracer is None else tracer.start(scope, headers, self.state.model_name)  # for this task
+        if trace is not None:
+            send = trace.sending(send)
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -131,6 +136,8 @@ class Guard:
                 await _answer_early(error_renderer(path)(error), scope, receive, counting_send, unread_body=has_body)
         finally:
             self.state.metrics.count_request(path, status["code"])
+            if trace is not None:
+                tracer.finish(trace, status["code"])  # its spans, after the reply was written
 
     def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         host = _hostname(headers.get("host", ""))
@@ -259,7 +266,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
               max_embedding_batch_tokens: int | None = None, cache_salt_by_api_key: bool = False,
               enable_prompt_tokens_details: bool = False, max_reply_bytes: int | None = 32 << 20,
               stream_stall_timeout: float | None = 30.0, lora_parents: Mapping[str, str] | None = None,
-              lora_runtime_updates: bool = False, lora_root: str | None = None) -> ASGIApp:  # fmt: skip
+              lora_runtime_updates: bool = False, lora_root: str | None = None,
+              tracer: Tracer | None = None) -> ASGIApp:  # fmt: skip
     """The ASGI app serving `engine`; shutting the app down (lifespan) shuts the engine down.
 
     `embeddings` enables `POST /v1/embeddings` with that pooling (the engine's model run as an encoder), run on
@@ -289,6 +297,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
     LoRA adapters loaded on an engine with `enable_lora` are served by name (`lora_api`): `lora_parents` maps an
     adapter to the base name its card reports as `parent` (default `model_name`); `lora_runtime_updates` adds
     `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`, which read only under `lora_root` when it is set.
+    `tracer` (`tracing.Tracer`) gives every generation request a span tree, exported by its processor; None (the
+    default): no tracing, and nothing of OpenTelemetry is imported.
 
     Raises:
         ValueError: `sampling_defaults` has a key that is not a sampling default, or a value of the wrong type;
@@ -310,7 +320,7 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
                         sampling_defaults=sampling_defaults or {}, log_requests=log_requests,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         lora_parents=dict(lora_parents or {}), lora_runtime_updates=lora_runtime_updates,
-                        lora_root=lora_root)  # fmt: skip
+                        lora_root=lora_root, tracer=tracer)  # fmt: skip
 
     embedder = None
     if embeddings is not None:
@@ -324,6 +334,8 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
         engine.shutdown()  # ends in-flight requests (finish_reason "abort") and frees their KV
         if embedder is not None:
             embedder.close()  # ends held embeddings requests (503) and stops its thread
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)  # exports the spans still queued (may wait on the network)
 
     routes = _basic_routes(state) + openai_api.routes(state)
     routes += embeddings_api.routes(state, embedder, max_request_tokens=max_embedding_tokens_per_request)

@@ -36,7 +36,7 @@ from astrai.inference.errors import LoRANotFoundError
 from astrai.inference.handle import RequestHandle
 from astrai.inference.outputs import Completion, Delta
 from astrai.inference.params import SamplingParams
-from astrai.serve import tenancy
+from astrai.serve import tenancy, tracing
 
 
 @attrs.frozen
@@ -291,7 +291,7 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, bus
     request's tenancy salts its prefix-cache pages (`tenancy.salted`)."""
     adapter = {} if lora is None else {"lora": lora}
     try:
-        return engine.submit(prompt_ids, tenancy.salted(params), loop=asyncio.get_running_loop(), **adapter)
+        handle = engine.submit(prompt_ids, tenancy.salted(params), loop=asyncio.get_running_loop(), **adapter)
     except EngineBusyError as err:
         raise APIError(busy_status, f"the server is busy: {err}; retry later", type="rate_limit_error") from None
     except EngineDeadError as err:
@@ -301,6 +301,9 @@ def submit(engine: Engine, prompt_ids: list[int], params: SamplingParams, *, bus
             raise APIError(404, f"The model `{lora[:200]}` does not exist or you do not have access to it.",
                            param="model", code="model_not_found") from None  # fmt: skip
         raise APIError(400, str(err), param=getattr(err, "param", None)) from None  # EngineInputError.param
+    if (trace := tracing.CURRENT.get()) is not None:  # request tracing is on: its spans read the handle's times
+        trace.add(handle, params, lora)
+    return handle
 
 
 async def _abort_on_disconnect(request: Request, handle: RequestHandle) -> None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from astrai.inference.engine import EngineStats
 from astrai.inference.outputs import Delta
+from astrai.serve import tracing
 from astrai.serve.prometheus import Histogram, escape_label, family, number
 from astrai.serve.vllm_metrics import VLLMMetrics
 
@@ -56,6 +57,7 @@ class Metrics:
     async def observe(self, deltas: AsyncIterator[Delta], prompt_tokens: int) -> AsyncIterator[Delta]:
         """Pass deltas through, timing the first token and the gaps between tokens."""
         self.prompt_tokens += prompt_tokens
+        trace = tracing.CURRENT.get()  # the request's `tracing.RequestTrace` when it is traced, else None
         start = last = time.perf_counter()
         first_at, generated = None, 0
         try:
@@ -73,6 +75,8 @@ class Metrics:
                 yield delta
         finally:  # also when the client left mid-stream (the generator is closed)
             self.vllm.request_done(prompt_tokens, generated, start, first_at, last)
+            if trace is not None:
+                trace.observed(prompt_tokens, generated, first_at, last if first_at is not None else None)
 
     def render(self, stats: EngineStats, *, up: bool = True, prefix_tokens: tuple[int, int] = (0, 0)) -> str:
         """The exposition text; `up`: whether the engine can still serve (`astrai_engine_up`, as /health's 200);

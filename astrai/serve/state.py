@@ -71,6 +71,8 @@ class ServerState:
     lora_parents: dict[str, str] = attrs.Factory(dict)
     lora_runtime_updates: bool = False
     lora_root: Path | None = attrs.field(default=None, converter=lambda v: None if v is None else Path(v))
+    # request tracing (`tracing.Tracer`, `astrai serve --otlp-traces-endpoint`); None: off, and no hook does work
+    tracer: Any = None
     _tokenizing: anyio.CapacityLimiter = attrs.field(
         init=False, default=attrs.Factory(lambda self: anyio.CapacityLimiter(self.tokenizer_workers), takes_self=True)
     )
