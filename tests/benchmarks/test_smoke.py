@@ -249,3 +249,16 @@ def test_spec_smoke_reports_json(tmp_path):
     by = {r["workload"]: r for r in report["results"]}
     assert by["repeat"]["acceptance"] > 0 and by["prefix-draft"]["acceptance"] > 0
     assert all(r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 for r in by.values())
+
+
+@pytest.mark.slow  # ~15 s: ten eager engines; tests/astrai/inference/test_multi_lora*.py check the outputs
+def test_lora_smoke_reports_json(tmp_path):
+    """bench_lora: every arm (the base, 1/4/8 adapters, the plain engine, the naive merged engines) produced
+    tokens in every round, the ratios are taken from them, and the profiled decode steps were measured."""
+    report = _smoke("bench_lora.py", tmp_path, timeout=300, args=("--profile", "1"))
+    assert [r["arm"] for r in report["results"]] == ["base", "lora1", "lora4", "lora8", "plain", "naive"]
+    assert all(len(r["runs"]) == report["rounds"] and min(r["runs"]) > 0 for r in report["results"])
+    ratios = {r["ratio"]: r for r in report["ratios"]}
+    assert ratios["lora8_vs_base"]["goal"] == 0.70 and ratios["lora8_vs_naive"]["met"] is not None
+    assert report["lora_stats"]["loaded"] == 8 and report["bandwidth_gbs"]["median"] > 0
+    assert all(p["ms_per_step"] > 0 and p["ops"] for p in report["profile"].values())
