@@ -392,7 +392,8 @@ class Engine:
             kv_pages_cached=cached, kv_pages_free=self.pool.num_free,
             prefix_hit_rate=self.radix.hit_rate if self.radix is not None else 0.0,
             prompt_tokens=s.prefill_tokens, generated_tokens=s.decode_tokens, generation_tokens_per_s=self._rate,
-            preemptions=s.preemptions, steps=s.steps,
+            preemptions=s.preemptions, steps=s.steps, page_size=self.config.page_size,
+            prefix_cache=self.radix is not None,
         )  # fmt: skip
 
     def shutdown(self) -> None:

@@ -163,3 +163,5 @@ class EngineStats:
     lora_loaded: int = 0  # multi-LoRA serving: adapters loaded
     lora_running: dict[str, int] = attrs.Factory(dict)  # running sequences per adapter name
     lora_waiting: dict[str, int] = attrs.Factory(dict)  # waiting sequences per adapter name
+    page_size: int = 0  # tokens per KV page (0: not known)
+    prefix_cache: bool = False  # the radix prefix cache is on

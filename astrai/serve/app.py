@@ -4,8 +4,9 @@ runtime load / unload, metrics).
 
 `build_app(engine, ...)` returns the ASGI app; `astrai serve` runs it on uvicorn. A pure-ASGI guard in front of
 the routes (`Guard`) enforces the optional API key (`Authorization: Bearer KEY` or `x-api-key: KEY`; on /v1/*,
-/tokenize, /detokenize and /metrics, while /health, /ping and /version stay open for probes), loopback
-`Host` names on loopback connections, JSON-only POSTs, and the body's size and deadline (counted as it arrives),
+/tokenize, /detokenize, /metrics and the router-facing routes of `router_api`, while /health, /ping and /version
+stay open for probes), loopback `Host` names on loopback connections, JSON-only POSTs (but /ping and the router's
+bodiless /flush_cache), and the body's size and deadline (counted as it arrives),
 and counts requests by endpoint and status; 404/405 come in the API's error shape too. Connection-level limits
 (request-head deadline, open connections) are `server.py`'s. No model code lives in the handlers: they map API fields to
 `SamplingParams`, submit token ids, and format what the engine streams back. `build_app`'s `sampling_defaults`
@@ -31,13 +32,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from astrai.inference.engine import Engine
 from astrai.models.encoder import EncoderConfig
-from astrai.serve import anthropic_api, embeddings_api, lora_api, openai_api, responses_api, tenancy, vllm_api
+from astrai.serve import (
+    anthropic_api,
+    embeddings_api,
+    lora_api,
+    openai_api,
+    responses_api,
+    router_api,
+    tenancy,
+    vllm_api,
+)
 from astrai.serve.common import APIError, anthropic_error, openai_error, route
 from astrai.serve.state import ServerState
 from astrai.serve.tracing import Tracer
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they run the tokenizer (vLLM leaves them open)
+KEYED_PATHS |= router_api.KEYED_PATHS  # the router-facing worker routes: model info, load, cache flush
 LINGER_S = 0.25  # after an early answer, read (and drop) the rest of the body this long: closing on unread data
 # resets the connection, and a reset can reach the client before it has read the answer
 
@@ -149,7 +160,8 @@ class Guard:
         if keys and protected and _matching_key(keys, headers) is None:
             return APIError(401, "invalid or missing API key", type="authentication_error")
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
-        if scope["method"] == "POST" and media != "application/json" and path != "/ping":  # SageMaker's bare POST
+        bare = path == "/ping" or path in router_api.BARE_POSTS  # SageMaker's bare POST, the router's cache flush
+        if scope["method"] == "POST" and media != "application/json" and not bare:
             return APIError(415, f"POST bodies must be JSON sent as Content-Type: application/json, not {media!r}")
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if scope["method"] == "POST" and encoding not in ("", "identity"):
@@ -341,7 +353,7 @@ def build_app(engine: Engine, *, model_name: str = "astrai", api_key: str | Sequ
     routes += embeddings_api.routes(state, embedder, max_request_tokens=max_embedding_tokens_per_request)
     routes += anthropic_api.routes(state)
     routes += responses_api.routes(state, max_stored=responses_max_stored, max_stored_bytes=responses_max_stored_bytes)
-    routes += lora_api.routes(state)
+    routes += lora_api.routes(state) + router_api.routes(state)
     state.metrics.endpoints = frozenset(r.path for r in routes)  # any other path is counted as `other`
     state.metrics.model_name = model_name  # the vllm: families' model_name label
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -78,6 +78,7 @@ from astrai.inference.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from astrai.serve.chat_prompt import encode_messages
 from astrai.serve.disconnect import checkpoint
 from astrai.serve.input_bounds import check_text_fits
+from astrai.serve.router_fields import router_fields
 from astrai.serve.sampling_fields import (
     SAMPLING_FIELDS,
     UNSUPPORTED,
@@ -276,6 +277,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int, cont
     Raises:
         APIError: 400 naming the offending field in `param`.
     """
+    router_fields(body)  # the fields a router in front adds (router_api)
     check_fields(body, CHAT_FIELDS, _CHAT_UNSUPPORTED)
     common_checks(body)
     if body.get("modalities") not in (None, ["text"]):
@@ -402,6 +404,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, *, vocab_size: int
         APIError: 400 naming the offending field in `param` (a list's bad prompt: `prompt`, its index in the
             message).
     """
+    router_fields(body)  # the fields a router in front adds (router_api)
     check_fields(body, COMPLETION_FIELDS, _COMPLETION_UNSUPPORTED)
     common_checks(body)
     prompts, several = _prompt_list(body.get("prompt"))

@@ -10,6 +10,11 @@ prometheus_client writes vLLM's. What each one counts here:
   completions count n);
 - `vllm:kv_cache_usage_perc` (gauge): KV pages held by requests over the pool's pages, 0..1 (cached, evictable
   pages count as free, as vLLM's);
+- `vllm:gpu_cache_usage_perc` (gauge): the same figure under its older name (vLLM before 0.10), which endpoint
+  pickers of the Gateway API inference extension before v0.5 read by default;
+- `vllm:cache_config_info` (gauge, 1): the KV cache's layout in labels, `block_size` (tokens per page),
+  `num_gpu_blocks` (pages in the pool) and `enable_prefix_caching`, read by the inference extension's prefix-cache
+  scorer to size its model of each server's cache (labels as vLLM's info metric: `engine`, no `model_name`);
 - `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (counters): prompt tokens looked up in /
   served from the radix cache;
 - `vllm:num_preemptions_total`, `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` (counters);
@@ -79,6 +84,8 @@ class VLLMMetrics:
             ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", stats.running),
             ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", stats.waiting),
             ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage (deprecated: "
+             "vllm:kv_cache_usage_perc).", usage),
             ("vllm:prefix_cache_queries_total", "counter",
              "Prefix cache queries, in terms of number of queried tokens.", queried),
             ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", hit),
@@ -94,6 +101,11 @@ class VLLMMetrics:
         lines = []
         for name, kind, doc, value in scalars:
             lines += family(name, kind, doc, [f"{name}{{{labels}}} {number(value)}"])
+        if stats.page_size:  # the KV cache's layout, as vLLM's info metric (a gauge of 1, the values in labels)
+            info = (f'block_size="{stats.page_size}",enable_prefix_caching="{stats.prefix_cache}",engine="0",'
+                    f'num_gpu_blocks="{stats.kv_pages_total}"')  # fmt: skip
+            lines += family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+                            [f"vllm:cache_config_info{{{info}}} 1.0"])  # fmt: skip
         hist = stats.spec_accepted_hist  # [a]: rounds that accepted exactly a guesses
         lines += family("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
                         "Accepted draft tokens per draft position.",
