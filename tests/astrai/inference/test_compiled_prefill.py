@@ -60,9 +60,9 @@ def _spy(calls: list):
     def setup(runner):
         compiled = runner.compiled_prefill
 
-        def spy(params, tokens, meta, cache, rows):
+        def spy(params, tokens, meta, cache, rows, **kwargs):
             calls.append((tokens.shape[0], int((meta.seq_lens == 0).sum()), rows.shape[0]))
-            return compiled(params, tokens, meta, cache, rows)
+            return compiled(params, tokens, meta, cache, rows, **kwargs)
 
         runner.compiled_prefill = spy
 

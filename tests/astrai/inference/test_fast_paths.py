@@ -131,10 +131,10 @@ def _simulate_cuda(monkeypatch, path: str, fault: str | None) -> dict:
         if fn is not runner_module.prefill_step or fault is None:
             return step
 
-        def compiled_prefill(*args):
+        def compiled_prefill(*args, **kwargs):
             if fault == "raise":
                 fail()
-            return _off(step(*args))
+            return _off(step(*args, **kwargs))
 
         return compiled_prefill
 
