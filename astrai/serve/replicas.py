@@ -90,11 +90,13 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
+_ENGINE_LABEL = re.compile(r'(^|,)\s*engine="(?:[^"\\]|\\.)*"')
 
 
 def label_engine(text: str, index: int) -> list[str]:
-    """The sample lines of a Prometheus text exposition with `engine="index"` added to their labels (comments and
-    blank lines dropped: the caller keeps one HELP/TYPE per family)."""
+    """The sample lines of a Prometheus text exposition labelled `engine="index"` (an existing engine label, as the
+    vllm: families carry, is replaced so no sample has the label twice; comments and blank lines dropped: the caller
+    keeps one HELP/TYPE per family)."""
     out = []
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -102,7 +104,11 @@ def label_engine(text: str, index: int) -> list[str]:
             continue
         name, labels, rest = match.groups()
         inner = labels[1:-1] if labels else ""
-        out.append(f'{name}{{engine="{index}"{"," + inner if inner else ""}}}{rest}')
+        if _ENGINE_LABEL.search(inner):  # vllm: families already carry engine="0": the replica's index replaces it
+            inner = _ENGINE_LABEL.sub(lambda m: f'{m.group(1)}engine="{index}"', inner, count=1)
+            out.append(f"{name}{{{inner}}}{rest}")
+        else:
+            out.append(f'{name}{{engine="{index}"{"," + inner if inner else ""}}}{rest}')
     return out
 
 

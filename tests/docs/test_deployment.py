@@ -93,6 +93,19 @@ def test_the_router_names_every_worker_pod(docs):
     assert f"http://astrai-worker-{workers['spec']['replicas']}.astrai-workers:{port}" not in expected  # control
 
 
+def test_the_router_sends_the_workers_key(docs):
+    """Without --api-key the router's own calls to keyed workers get 401 (model `unknown`, loads -1)."""
+    router = _container(docs["Deployment", "astrai-router"])
+    args = _router_args(docs)
+    value = args[args.index("--api-key") + 1]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in router["env"]}
+    worker_env = {
+        e["name"]: e["valueFrom"]["secretKeyRef"] for e in _container(docs["StatefulSet", "astrai-worker"])["env"]
+    }
+    match = re.fullmatch(r"\$\((\w+)\)", value)  # Kubernetes' $(VAR) expansion from the container's env
+    assert match and env[match.group(1)] == worker_env["ASTRAI_API_KEY"], (value, env)
+
+
 def test_the_router_flags_exist_in_sglang_router(docs):
     pytest.importorskip("sglang_router", reason="sglang-router (a dev extra) is not installed")
     help_text = subprocess.run([sys.executable, "-m", "sglang_router.launch_router", "--help"], capture_output=True,

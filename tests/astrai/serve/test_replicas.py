@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import time
 
@@ -51,6 +52,25 @@ def test_metrics_merge_labels_each_engine_once_per_family():
     assert merged.index('g{engine="0"} 0.5') > merged.index("# TYPE g gauge")  # samples follow their family
 
 
+def test_metrics_merge_replaces_an_engine_label_instead_of_adding_a_second():
+    vllm = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m",engine="0"} 2.0\n'
+    merged = merge_metrics([(0, vllm), (1, vllm.replace("2.0", "5.0"))]).splitlines()
+    assert 'vllm:num_requests_running{model_name="m",engine="0"} 2.0' in merged
+    assert 'vllm:num_requests_running{model_name="m",engine="1"} 5.0' in merged
+    assert not any(line.count("engine=") > 1 for line in merged)
+
+
+def _unique_labels(exposition: str) -> None:
+    """Every sample parses (prometheus_client's parser) and names each label once, as Prometheus requires."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert list(text_string_to_metric_families(exposition))
+    for line in exposition.splitlines():
+        if line and not line.startswith("#") and "{" in line:
+            names = re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', line.split("{", 1)[1].rsplit("}", 1)[0])
+            assert len(names) == len(set(names)), line
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("dp") / "m")
@@ -86,7 +106,9 @@ def test_two_replicas_behind_one_address(model_dir, tmp_path):
             replies = list(pool.map(lambda p: httpx.post(f"{base}/v1/completions", timeout=60, json={
                 "model": "m", "prompt": p, "max_tokens": 8, "temperature": 0}).json(), PROMPTS * 2))  # fmt: skip
         assert [r["choices"][0]["text"] for r in replies] == expected * 2
-        per_engine = _generated(httpx.get(f"{base}/metrics").text)
+        exposition = httpx.get(f"{base}/metrics").text
+        _unique_labels(exposition)
+        per_engine = _generated(exposition)
         assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine  # spread over both
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
