@@ -12,9 +12,10 @@ AVX512-BF16) on top.
 
 With the library, `load()` also builds `ops.cpp` with the C++ compiler (`$CXX`, else c++, g++ or clang++; ~2 s,
 cached the same way, per torch version) against torch's stable ABI, loads it, and hands it the kernels' addresses:
-its CPU kernels of the `astrai::cpu_decode_attention` and `astrai::cpu_matvec` ops then take precedence over the
-Python ones, which stay registered under CompositeExplicitAutograd. `Library.ops_reason` says why not, where not
-(no C++ compiler, no torch headers, a failed build); the ops keep working through Python, only slower per call.
+its CPU kernels of the `astrai::cpu_decode_attention`, `astrai::cpu_matvec` and `astrai::cpu_lora_delta` ops then
+take precedence over the Python ones, which stay registered under CompositeExplicitAutograd. `Library.ops_reason`
+says why not, where not (no C++ compiler, no torch headers, a failed build); the ops keep working through Python,
+only slower per call.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def _check_complete(path: Path) -> None:
 
 # every kernel module's entry points: a cached library missing one of them is stale or damaged
 ENTRIES = ("astrai_cpu_features", "astrai_matvec_f32", "astrai_matvec_bf16", "astrai_matvec_i8_f32",
-           "astrai_matvec_i8_bf16", "astrai_decode_attention_f32", "astrai_decode_attention_bf16")  # fmt: skip
+           "astrai_matvec_i8_bf16", "astrai_decode_attention_f32", "astrai_decode_attention_bf16", "astrai_lora_f32",
+           "astrai_lora_bf16")  # fmt: skip
 
 
 def load() -> Library:
@@ -226,11 +228,12 @@ def _load_ops(kernels: Library) -> str | None:
             return None
         return ctypes.cast(getattr(kernels.cdll, name), ctypes.c_void_p).value
 
-    ops.astrai_ops_bind.argtypes = [ctypes.c_void_p] * 6
+    ops.astrai_ops_bind.argtypes = [ctypes.c_void_p] * 8
     ops.astrai_ops_bind(
         address("astrai_decode_attention_f32", torch.float32), address("astrai_decode_attention_bf16", torch.bfloat16),
         address("astrai_matvec_f32", torch.float32), address("astrai_matvec_bf16", torch.bfloat16),
         address("astrai_matvec_i8_f32", torch.float32), address("astrai_matvec_i8_bf16", torch.bfloat16),
+        address("astrai_lora_f32", torch.float32), address("astrai_lora_bf16", torch.bfloat16),
     )  # fmt: skip
     return None
 

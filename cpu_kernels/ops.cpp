@@ -1,4 +1,4 @@
-/* The CPU kernels of the `astrai::cpu_decode_attention` and `astrai::cpu_matvec` ops, in C++ against torch's
+/* The CPU kernels of the `astrai::cpu_decode_attention`, `astrai::cpu_matvec` and `astrai::cpu_lora_delta` ops, in C++ against torch's
  * stable ABI: the dispatcher calls the C kernels of this folder with no Python in between.
  *
  * Why: compiled decode steps call these ops from inductor's Python wrapper once per layer (attention) or once per
@@ -32,9 +32,13 @@ using AttentionFn = int (*)(const void *q, long B, long H, long D, const void *k
 using MatvecFn = void (*)(const void *x, long M, long K, const void *const *ws, const long *ns, long count, float *y,
                           int threads);
 
+using LoraFn = int (*)(const void *x, long M, long K, const void *a, long S, long R, const void *b, long N,
+                      const float *scaling, const int64_t *slots, float *y, int threads);
+
 /* null where this CPU lacks the dtype's instructions (set once by `astrai_ops_bind`, before any call) */
 AttentionFn attention_f32 = nullptr, attention_bf16 = nullptr;
 MatvecFn matvec_f32 = nullptr, matvec_bf16 = nullptr, matvec_i8_f32 = nullptr, matvec_i8_bf16 = nullptr;
+LoraFn lora_f32 = nullptr, lora_bf16 = nullptr;
 
 constexpr int64_t kMaxGroup = 16, kMaxDim = 256; /* decode_attention.c's MAX_GROUP and MAX_DIM */
 
@@ -138,10 +142,42 @@ Tensor cpu_matvec(Tensor x, std::vector<Tensor> weights) {
     return out;
 }
 
+/* lora.c's batched multi-LoRA update: x [M, K], a [S, R, K], b [N, S, R] of one dtype, scaling [S] float32,
+ * slot_ids [M] int64 (-1: no adapter) -> [M, N] float32 */
+Tensor cpu_lora_delta(Tensor x, Tensor a, Tensor b, Tensor scaling, Tensor slot_ids) {
+    ScalarType dtype = x.scalar_type();
+    STD_TORCH_CHECK(x.dim() == 2 && a.dim() == 3 && b.dim() == 3 && scaling.dim() == 1 && slot_ids.dim() == 1,
+                    "takes x [M, K], a [S, R, K], b [N, S, R], scaling [S] and slot_ids [M]");
+    int64_t rows = x.size(0), depth = x.size(1), slots = a.size(0), rank = a.size(1), width = b.size(0);
+    STD_TORCH_CHECK(a.size(2) == depth && b.size(1) == slots && b.size(2) == rank && scaling.size(0) == slots &&
+                        slot_ids.size(0) == rows,
+                    "shapes do not fit: x [", rows, ", ", depth, "], a [", slots, ", ", rank, ", ", a.size(2),
+                    "], b [", width, ", ", b.size(1), ", ", b.size(2), "]");
+    STD_TORCH_CHECK(a.scalar_type() == dtype && b.scalar_type() == dtype && scaling.scalar_type() == ScalarType::Float &&
+                        slot_ids.scalar_type() == ScalarType::Long,
+                    "x, a and b must share one dtype, scaling be float32 and slot_ids int64");
+    STD_TORCH_CHECK(x.is_cpu() && a.is_cpu() && b.is_cpu() && scaling.is_cpu() && slot_ids.is_cpu(),
+                    "every tensor must be on the CPU");
+    LoraFn kernel = dtype == ScalarType::Float ? lora_f32 : dtype == ScalarType::BFloat16 ? lora_bf16 : nullptr;
+    STD_TORCH_CHECK(kernel != nullptr, "cannot run ", dtype_name(dtype),
+                    " here; astrai.cpu_kernels.lora.lora_delta falls back to plain torch");
+    Tensor out = torch::stable::new_empty(x, {rows, width}, ScalarType::Float);
+    if (rows == 0 || width == 0) return out;
+    Tensor xs = dense(x), as = dense(a), bs = dense(b), ss = dense(scaling), ids = dense(slot_ids);
+    int status = kernel(xs.data_ptr(), rows, depth, as.data_ptr(), slots, rank, bs.data_ptr(), width,
+                        static_cast<const float *>(ss.data_ptr()), static_cast<const int64_t *>(ids.data_ptr()),
+                        static_cast<float *>(out.data_ptr()), threads());
+    STD_TORCH_CHECK(status == 0, "rank ", rank, " is above the kernel's 256");
+    return out;
+}
+
 }  // namespace
 
 extern "C" void astrai_ops_bind(void *attention_f32_fn, void *attention_bf16_fn, void *matvec_f32_fn,
-                                void *matvec_bf16_fn, void *matvec_i8_f32_fn, void *matvec_i8_bf16_fn) {
+                                void *matvec_bf16_fn, void *matvec_i8_f32_fn, void *matvec_i8_bf16_fn,
+                                void *lora_f32_fn, void *lora_bf16_fn) {
+    lora_f32 = reinterpret_cast<LoraFn>(lora_f32_fn);
+    lora_bf16 = reinterpret_cast<LoraFn>(lora_bf16_fn);
     attention_f32 = reinterpret_cast<AttentionFn>(attention_f32_fn);
     attention_bf16 = reinterpret_cast<AttentionFn>(attention_bf16_fn);
     matvec_f32 = reinterpret_cast<MatvecFn>(matvec_f32_fn);
@@ -153,4 +189,5 @@ extern "C" void astrai_ops_bind(void *attention_f32_fn, void *attention_bf16_fn,
 STABLE_TORCH_LIBRARY_IMPL(astrai, CPU, m) {
     m.impl("cpu_decode_attention", TORCH_BOX(&cpu_decode_attention));
     m.impl("cpu_matvec", TORCH_BOX(&cpu_matvec));
+    m.impl("cpu_lora_delta", TORCH_BOX(&cpu_lora_delta));
 }

@@ -7,12 +7,15 @@ steps never change shape or recompile for a new mix of adapters, and
 
     delta[t] = scaling[s] * (x[t] @ a[s].T) @ b[:, s, :].T    with s = slot_ids[t] (0 when s < 0)
 
-Two implementations:
-- CPU (and `ASTRAI_ATTN_BACKEND=torch`): the *slot-masked* form. One product with every slot's A at once
-  (x @ a.view(S*R, in).T, [rows, S*R]), a mask that keeps each row's own slot's R columns times its scaling,
-  and one product with every slot's B (b.view(out, S*R)). It reads every slot's factors once per step, as the
-  gather form would once every slot is in use, in two dense products that oneDNN and inductor's few-row loop run
-  at bandwidth; a gather of per-row factors ([rows, R, in]) would copy them once per row instead.
+Three implementations:
+- CPU with AVX-512 (fp32, or bf16 with AVX512-BF16; `astrai.cpu_kernels.lora`, the `astrai::cpu_lora_delta` op):
+  a hand-written kernel where each row reads only its own slot's factors (the gather form without the gather
+  copy), so the cost does not grow with the number of slots.
+- Elsewhere on CPU (and `ASTRAI_ATTN_BACKEND=torch`, or `ASTRAI_CPU_KERNELS=0`): the *slot-masked* form. One
+  product with every slot's A at once (x @ a.view(S*R, in).T, [rows, S*R]), a mask that keeps each row's own
+  slot's R columns times its scaling, and one product with every slot's B (b.view(out, S*R)): plain torch that
+  traces anywhere, but with S times the kernel's arithmetic (with 8 slots at rank 16, +37% on a SmolLM2-135M
+  step's products; docs/benchmarks.md).
 - CUDA (or `ASTRAI_ATTN_BACKEND=triton`): the Triton kernels (`astrai.triton_kernels.lora`): the gather form for
   decode rows (one program per row reads its slot's factors) and the segment form for prefill (`seg_starts`,
   `seg_slots`: a prompt's tokens share their adapter's factors in one tile).
@@ -22,9 +25,12 @@ No backward: serving only (training uses `astrai.nn.lora`'s own tree).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
+from astrai.cpu_kernels import lora as cpu_lora
 from astrai.ops.backend import attn_backend
 from astrai.ops.linear import linear
 
@@ -44,6 +50,13 @@ def lora_delta_masked(x: Tensor, a: Tensor, b: Tensor, scaling: Tensor, slot_ids
     shrunk = linear(x, a.reshape(num_slots * rank, width).to(x.dtype))  # [rows, S*R]
     weighted = (shrunk.float() * slot_mask(slot_ids, scaling, rank)).to(x.dtype)
     return linear(weighted, b.reshape(b.shape[0], num_slots * rank).to(x.dtype))
+
+
+def _cpu_kernel(x: Tensor, a: Tensor, b: Tensor) -> bool:
+    """Whether the AVX-512 kernel takes this product: CPU tensors of one dtype it runs, a rank it holds, and no
+    `ASTRAI_ATTN_BACKEND=torch` asking for the plain-torch form."""
+    return (x.device.type == "cpu" and a.dtype == b.dtype == x.dtype and a.shape[1] <= cpu_lora.MAX_RANK
+            and os.environ.get("ASTRAI_ATTN_BACKEND", "auto") == "auto" and cpu_lora.supports(x.dtype))  # fmt: skip
 
 
 def lora_delta(
@@ -72,6 +85,8 @@ def lora_delta(
             out = kernels.lora_delta_segments(rows, a, b, scaling, seg_starts, seg_slots)
         else:
             out = kernels.lora_delta(rows, a, b, scaling, slot_ids)
+    elif _cpu_kernel(rows, a, b):
+        out = torch.ops.astrai.cpu_lora_delta(rows, a, b, scaling.float(), slot_ids.long()).to(x.dtype)
     else:
         out = lora_delta_masked(rows, a, b, scaling, slot_ids)
     return out.reshape(*lead, b.shape[0])

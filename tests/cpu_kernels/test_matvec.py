@@ -306,7 +306,7 @@ def _fresh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     ("env", "reason"),
     [
         ({"ASTRAI_CPU_KERNELS": "0"}, "disabled by ASTRAI_CPU_KERNELS=0"),
-        ({"CC": "false"}, "could not build the kernel: false failed on decode_attention.c gemm_i8.c matvec.c"),
+        ({"CC": "false"}, "could not build the kernel: false failed on decode_attention.c gemm_i8.c lora.c matvec.c"),
     ],
 )
 def test_without_a_kernel_the_op_falls_back_and_says_why(tmp_path, env, reason):

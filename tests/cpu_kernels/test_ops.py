@@ -1,4 +1,5 @@
-"""cpu_kernels/ops.cpp: the C++ CPU kernels of `astrai::cpu_decode_attention` and `astrai::cpu_matvec`.
+"""cpu_kernels/ops.cpp: the C++ CPU kernels of `astrai::cpu_decode_attention`, `astrai::cpu_matvec` and
+`astrai::cpu_lora_delta`.
 
 Where a C++ compiler builds it, the dispatcher's CPU kernel of each op is ops.cpp's. These tests hold it to the
 plain-torch references and, bit for bit, to the Python implementations it replaces (both call the same C kernel);
@@ -16,6 +17,7 @@ import torch
 
 from astrai.cpu_kernels import decode_attention as cpu_attention
 from astrai.cpu_kernels import library
+from astrai.cpu_kernels import lora as cpu_lora
 from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.triton_kernels.decode_attention import decode_attention_ref
 from helpers import assert_close
@@ -32,7 +34,7 @@ def _needs_ops(dtype: torch.dtype) -> None:
 
 def test_the_cpu_kernels_are_the_cpp_ones():
     _needs_ops(torch.float32)
-    for name in ("cpu_decode_attention", "cpu_matvec"):
+    for name in ("cpu_decode_attention", "cpu_matvec", "cpu_lora_delta"):
         dump = torch._C._dispatch_dump(f"astrai::{name}")
         cpu = next(line for line in dump.splitlines() if line.startswith("CPU:"))
         assert "ops.cpp" in cpu, dump  # not the Python kernel, which serves under CompositeExplicitAutograd
@@ -157,11 +159,40 @@ def test_bad_inputs_raise_an_error_naming_the_problem():
             matvec(*args)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_op_equals_the_python_kernel_and_names_bad_inputs(dtype):
+    _needs_ops(dtype)
+    gen = torch.Generator().manual_seed(0)
+    x, a, b = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((5, 40), (3, 6, 40), (33, 3, 6)))
+    scaling, slot_ids = torch.tensor([0.5, 2.0, 0.0]), torch.tensor([2, -1, 0, 1, 1])
+    out = torch.ops.astrai.cpu_lora_delta(x, a, b, scaling, slot_ids)
+    assert torch.equal(out, cpu_lora.lora_delta(x, a, b, scaling, slot_ids))  # one C kernel behind both
+    assert_close(out, cpu_lora.lora_delta_ref(x, a, b, scaling, slot_ids), atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.ops.astrai.cpu_lora_delta(x.T.contiguous().T, a, b, scaling, slot_ids), out)  # strided
+    lora = torch.ops.astrai.cpu_lora_delta
+    for args, message in [
+        ((x, a, b[:, :2], scaling, slot_ids), "shapes do not fit"),
+        ((x, a, b, scaling.double(), slot_ids), "scaling be float32"),
+        ((x, a.float() if dtype != torch.float32 else a.double(), b, scaling, slot_ids), "share one dtype"),
+        ((x[0], a, b, scaling, slot_ids), "takes x"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            lora(*args)
+
+
 def test_opcheck():
     _needs_ops(torch.float32)
     q, k, v, table, lens = _pool([20, 3], heads=4, kv_heads=2, dim=32, dtype=torch.float32)
     torch.library.opcheck(torch.ops.astrai.cpu_decode_attention.default, (q, k, v, table, lens, 16, 0.2, 0))
     torch.library.opcheck(torch.ops.astrai.cpu_matvec.default, (torch.randn(3, 16), [torch.randn(5, 16)]))
+    lora_args = (
+        torch.randn(3, 16),
+        torch.randn(2, 4, 16),
+        torch.randn(8, 2, 4),
+        torch.ones(2),
+        torch.tensor([1, -1, 0]),
+    )
+    torch.library.opcheck(torch.ops.astrai.cpu_lora_delta.default, lora_args)
 
 
 _WITHOUT_CXX = """

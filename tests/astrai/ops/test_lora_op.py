@@ -1,5 +1,6 @@
-"""`astrai.ops.lora.lora_delta`: the CPU slot-masked form and the Triton kernels it dispatches to (interpreted here)
-against a per-row loop over the merged weights scaling[s] * B_s @ A_s, inside and outside torch.compile.
+"""`astrai.ops.lora.lora_delta`: the AVX-512 CPU kernel (backend "auto" on CPU), the plain-torch slot-masked form
+("torch") and the Triton kernels ("triton", interpreted here) it dispatches to, against a per-row loop over the
+merged weights scaling[s] * B_s @ A_s, inside and outside torch.compile.
 
 The masked form multiplies every row by every slot's factors and masks the other slots' columns out, so the
 tests put values in slots no row reads (a row must never see another slot) and rows without an adapter.
@@ -37,7 +38,7 @@ def _loop(x, a, b, scaling, slot_ids):
 SLOT_IDS = [2, -1, 0, 1, 1, -1, 2, 0]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_each_row_gets_its_own_slot(monkeypatch, backend):
     monkeypatch.setenv("ASTRAI_ATTN_BACKEND", backend)
     x, a, b, scaling = _inputs(len(SLOT_IDS))
@@ -49,7 +50,7 @@ def test_each_row_gets_its_own_slot(monkeypatch, backend):
     torch.testing.assert_close(lora_delta(x, a, b, scaling, wrong)[1:], expected[1:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_prefill_segments(monkeypatch, backend):
     """A prefill step: requests of 3, 1 and 4 tokens in slots 1, -1 and 2 (the GPU kernel reads the segments)."""
     monkeypatch.setenv("ASTRAI_ATTN_BACKEND", backend)
@@ -60,7 +61,9 @@ def test_prefill_segments(monkeypatch, backend):
     torch.testing.assert_close(out, _loop(x, a, b, scaling, slot_ids), atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_masked_form_and_leading_dims():
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_compiled_cpu_forms_and_leading_dims(monkeypatch, backend):
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", backend)
     x, a, b, scaling = _inputs(len(SLOT_IDS), seed=2)
     slot_ids = torch.tensor(SLOT_IDS)
     compiled = torch.compile(lora_delta, fullgraph=True)
@@ -70,7 +73,9 @@ def test_compiled_masked_form_and_leading_dims():
     torch.testing.assert_close(out.reshape(8, OUT), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_slot_mask_and_bf16():
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_slot_mask_and_bf16(monkeypatch, backend):
+    monkeypatch.setenv("ASTRAI_ATTN_BACKEND", backend)
     mask = slot_mask(torch.tensor([1, -1]), torch.tensor([0.5, 2.0]), rank=2)
     assert mask.tolist() == [[0.0, 0.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]]
     x, a, b, scaling = _inputs(len(SLOT_IDS), seed=3)
