@@ -59,7 +59,7 @@ def _staggered(engine, prompts):
     return [list(h.result().outputs[0].token_ids) for h in handles]
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_fused_engine_matches_transformers(pair, prompts, compile):
     hf, model = pair
     with Engine(

@@ -194,6 +194,7 @@ def test_mtp_layers_are_ignored_on_load(tmp_path):
     assert load(folder).config.num_hidden_layers == 3
 
 
+@pytest.mark.slow  # 41 s on 2 cores; the eager parity tests stay in the CI set
 def test_compiled_steps_match_eager(tmp_path):
     # torch.compile(fullgraph=True) of prefill and decode over the latent pool, as the engine runs them
     model = load(save_hf(_hf("v3_yarn_qlora"), tmp_path))

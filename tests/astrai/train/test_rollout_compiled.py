@@ -76,7 +76,7 @@ def _check_logprobs(batches, out, policy_params, cfg, *, atol=2e-4) -> float:
     return worst
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])  # full 40 s
 def test_compiled_rollouts_survive_optimizer_steps_without_recompiling(setup, lora):
     tok, cfg, batches = setup
     base = init_params(cfg, seed=0)
