@@ -262,3 +262,19 @@ def test_lora_smoke_reports_json(tmp_path):
     assert ratios["lora8_vs_base"]["goal"] == 0.70 and ratios["lora8_vs_naive"]["met"] is not None
     assert report["lora_stats"]["loaded"] == 8 and report["bandwidth_gbs"]["median"] > 0
     assert all(p["ms_per_step"] > 0 and p["ops"] for p in report["profile"].values())
+
+
+@pytest.mark.slow  # ~20 s: five `astrai serve` processes and two router processes; tests/astrai/serve/test_router.py
+# and test_replicas.py check the router recipe and the replicas themselves
+def test_replicas_smoke_reports_json(tmp_path):
+    """bench_replicas: every arm (two workers behind sglang-router cache_aware and round_robin, one engine, astrai's
+    data-parallel front) answered every request through HTTP, and each replica's prefix-cache counters moved."""
+    pytest.importorskip("sglang_router", reason="bench_replicas runs the real sglang-router process")
+    report = _smoke("bench_replicas.py", tmp_path, timeout=300)
+    assert [r["arm"] for r in report["results"]] == ["cache_aware", "round_robin", "one_engine", "dp_front"]
+    for arm, (run,) in report["runs"].items():
+        assert run["errors"] == 0 and run["tokens"] == report["requests"] * report["new_tokens"], arm
+        assert sum(r["requests"] for r in run["replicas"]) == report["requests"], arm
+        assert all(r["queried_tokens"] > 0 and 0 <= r["hit_rate"] <= 1 for r in run["replicas"]), arm
+        assert len(run["replicas"]) == (1 if arm == "one_engine" else 2) and run["ttft_p50"] > 0
+    assert {r["ratio"] for r in report["ratios"]} >= set(report["goals"]) and report["bandwidth_gbs"]["median"] > 0
