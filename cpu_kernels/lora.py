@@ -3,7 +3,7 @@
 `astrai.ops.lora.lora_delta` calls the `astrai::cpu_lora_delta` op on CPU where `supports(dtype)`; elsewhere it
 computes the slot-masked plain-torch form, which multiplies every row by every slot's factors (S times the
 arithmetic of this kernel; with 8 slots it made a 16-row decode step 66% slower, this kernel's cost does not grow
-with the slot count: docs/benchmarks.md, "Multi-LoRA serving on the CPU").
+with the slot count: docs/benchmarks.md, "CPU multi-LoRA serving: bench_lora").
 
 `supports(dtype)`: fp32 with AVX-512 (F, BW, VL), bf16 with AVX512-BF16 as well (the library's feature bits; the
 bf16 entry itself only widens), a working compiler, `ASTRAI_CPU_KERNELS` not 0. `lora_delta` is always correct:
