@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -147,3 +148,29 @@ def test_two_replicas_behind_one_address(model_dir, tmp_path):
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
     assert server.returncode == 0, server.out[-2000:]
     assert "serving 2 replicas" in server.out
+
+
+@pytest.mark.slow  # 5 processes (a front, two replicas, one more TP rank each) on 2 cores: ~20 s
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the replica processes through /proc")
+def test_each_replica_can_be_a_tensor_parallel_group(model_dir):
+    """`--data-parallel-size 2 --tensor-parallel-size 2`: two replicas, each a 2-rank TP engine (its own gloo
+    rendezvous, so the groups do not meet), serve one engine's greedy text, and both replicas take requests."""
+    model = astrai.load(model_dir)
+    expected = astrai.generate(model, PROMPTS, max_tokens=8)
+    with _ServeProcess(model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2") as server:
+        base = server.base_url
+        assert httpx.get(f"{base}/health").json()["alive"] == 2
+        replicas = _children(server.proc.pid)
+
+        def spawned(pid: int) -> list[int]:  # torch.multiprocessing spawn children (not its resource tracker)
+            cmdlines = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in _children(pid)}
+            return [c for c, line in cmdlines.items() if b"spawn_main" in line]
+
+        assert len(replicas) == 2 and all(len(spawned(r)) == 1 for r in replicas), "each replica starts its rank 1"
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda p: httpx.post(f"{base}/v1/completions", timeout=120, json={
+                "model": "m", "prompt": p, "max_tokens": 8, "temperature": 0}).json(), PROMPTS * 2))  # fmt: skip
+        assert [r["choices"][0]["text"] for r in replies] == expected * 2
+        per_engine = _generated(httpx.get(f"{base}/metrics").text)
+        assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
+    assert server.returncode == 0, server.out[-2000:]
