@@ -31,7 +31,8 @@ Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_li
 pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. fp32 takes it from 4 rows (`REDUCE_ROWS`),
 where the packed GEMM beat the kernel by 1.3-1.5x over a whole step; weights nobody packed take the matvec kernel
 there (up to 8 rows) and `F.linear` above, and so does anything that needs a gradient or runs under autocast (the
-op has neither).
+op has neither). Small weights (`SMALL_WEIGHT_BYTES`, a tiny model's) keep inductor's loop up to 8 rows in any
+dtype, without the kernel: an opaque call costs them more than their product.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ REDUCE_ROWS = {torch.float32: 3} if packed.AVAILABLE else {}
 # the loop's: a bound of its own would split the 2-8-row decode graph in two (a recompile on CPU when a batch
 # crosses it), for fp32 at 5-8 rows, where the kernel measured within the noise of the loop.
 MIN_KERNEL_ROWS = 2
+# Products whose weights (a group's together) fit this many bytes keep inductor's multiply + row-sum loop for up to
+# MAX_REDUCE_ROWS rows whatever the dtype, and skip the matvec kernel: such a weight stays in L2, so the loop's
+# re-read per row is cheap, while an opaque call (a oneDNN pack: `astrai::packed_linear`, a Python custom op, or the
+# kernel) costs more than the product and splits inductor's fused kernels. A tiny model's 5-8-row steps
+# (speculative verify rows, small batches) were several times its 1-row step through the packs: a 0.87M-parameter
+# model (128 wide; its largest group, gate/up, 384 KiB) verified k = 7 guesses at ~2x the tokens per second
+# through the loop (docs/benchmarks.md, "CPU speculative decoding ..."). SmolLM2-135M's smallest group (o_proj,
+# 1.3 MiB fp32) is far above it.
+SMALL_WEIGHT_BYTES = 512 * 1024
 # int8 weights take the kernel from one row with a bf16 x: inductor's loop widens them through fp32 per row, and a
 # whole SmolLM2-135M decode step ran 2.1x faster through the kernel (6.5 vs 13.4 ms). With an fp32 x the loop was as
 # fast or faster at one row (5.1 vs 6.3 ms, 7.2 vs 7.3), and the kernel wins from two rows (1.4-1.5x at 4-8 rows).
@@ -82,8 +92,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
     """
     if scale is not None and _int8_kernel_rows(x) and _matvec_kernel(x, (weight,), int8=True):
         return _kernel_linears(x, (weight,), (bias,), (scale,))[0]
-    if _row_reduce(x, int8=scale is not None):
-        if scale is None and _matvec_kernel(x, (weight,)):
+    if _row_reduce(x, (weight,), int8=scale is not None):
+        if scale is None and not _small(weight) and _matvec_kernel(x, (weight,)):
             return _kernel_linears(x, (weight,), (bias,))[0]
         return _reduce_linear(x, weight, bias, scale)
     if scale is not None:
@@ -102,9 +112,10 @@ def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
     """[linear(x, w, b) for each pair]: products of one input (q/k/v, gate/up). On CPU, weights packed together
     (`packed_linear.pack_group`) run as one product and come back as views of its output; so do few-row
     products through the CPU matvec kernel (one call for the group)."""
-    if _row_reduce(x) and _matvec_kernel(x, weights):
+    few = _row_reduce(x, weights)
+    if few and not _small(*weights) and _matvec_kernel(x, weights):
         return _kernel_linears(x, weights, biases)
-    if not _row_reduce(x) and _packed_path(x, weights, biases):
+    if not few and _packed_path(x, weights, biases):
         if torch.compiler.is_compiling():
             out = torch.ops.astrai.packed_linear_cat(x, list(weights), list(biases))
         else:
@@ -119,11 +130,17 @@ def reduce_rows(dtype: torch.dtype) -> int:
     return REDUCE_ROWS.get(dtype, MAX_REDUCE_ROWS)
 
 
-def _row_reduce(x: Tensor, *, int8: bool = False) -> bool:
+def _small(*weights: Tensor) -> bool:
+    """Weights of at most `SMALL_WEIGHT_BYTES` together: few-row products keep inductor's loop (module docstring)."""
+    return sum(w.numel() * w.element_size() for w in weights) <= SMALL_WEIGHT_BYTES
+
+
+def _row_reduce(x: Tensor, weights: Sequence[Tensor] = (), *, int8: bool = False) -> bool:
     """Few rows inside a compiled CPU graph: the matvec kernel or the multiply + row-sum loop (see the module
-    docstring). int8 products keep `MAX_REDUCE_ROWS`: no pack takes int8 weights."""
+    docstring). int8 products, and small weights (`_small`), keep `MAX_REDUCE_ROWS`: no pack takes int8 weights,
+    and a pack's call costs small ones more than their product."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    bound = MAX_REDUCE_ROWS if int8 else reduce_rows(x.dtype)
+    bound = MAX_REDUCE_ROWS if int8 or (weights and _small(*weights)) else reduce_rows(x.dtype)
     return torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= bound
 
 

@@ -36,7 +36,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from astrai.cpu_kernels import matvec as cpu_matvec
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+def _bf16_packs() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: its reorder refuses without AVX512-BW/VL/DQ (or
+    AVX-NE-CONVERT) and raised on an AVX2-only EPYC, which made every bf16 engine fail to start there."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# the dtypes whose weights this CPU packs (bf16 only where oneDNN's bf16 path runs; else those products keep
+# `F.linear` or the few-row paths)
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16) if _bf16_packs() else (torch.float32,)
 FEW_ROWS = 8  # `ops.linear.MAX_REDUCE_ROWS`: unpacked products of at most this many rows take the matvec kernel
 
 # One table for single weights and groups (a single weight is a group of one): first weight -> {member ids ->

@@ -13,7 +13,7 @@ from astrai.inference.runner import pack_cpu_weights
 from astrai.io.model import load
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.ops import packed_linear as packed
-from astrai.ops.linear import MAX_REDUCE_ROWS, linear, linears
+from astrai.ops.linear import MAX_REDUCE_ROWS, SMALL_WEIGHT_BYTES, linear, linears
 from helpers import TOLERANCES, assert_close, save_hf, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not packed.AVAILABLE, reason="this torch build has no oneDNN linear")
@@ -27,7 +27,11 @@ def _swap_pack(weight, stand_in):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_product_equals_f_linear_eager_and_compiled(dtype):
     weight, bias = torch.randn(48, 40).to(dtype), torch.randn(48).to(dtype)
-    assert packed.pack_weights([weight]) == weight.nbytes and packed.is_packed(weight)
+    # bf16 packs only where oneDNN's bf16 path runs (AVX512-BW/VL/DQ); elsewhere (an AVX2 CPU) packing it raised,
+    # and every bf16 engine failed to start: there it is left unpacked and the products still equal F.linear
+    packs = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (dtype in packed.PACKABLE_DTYPES) == packs
+    assert packed.pack_weights([weight]) == (weight.nbytes if packs else 0) and packed.is_packed(weight) == packs
     atol, rtol = TOLERANCES[dtype]
     torch._dynamo.reset()
     compiled = torch.compile(linear, fullgraph=True, dynamic=False)
@@ -198,3 +202,20 @@ def test_packing_is_skipped_with_a_warning_when_memory_is_short(tmp_path, monkey
         assert not pack_cpu_weights(fresh)
     assert "not packing the CPU weights" in caplog.text
     assert not any(packed.is_group_packed(g) for g in projection_groups(fresh.params))
+
+
+def test_few_rows_of_a_small_weight_keep_the_loop_and_of_a_large_one_take_the_pack():
+    """Compiled fp32 products of 4-8 rows take the pack for weights above `SMALL_WEIGHT_BYTES` and inductor's loop
+    below it (a tiny model's verify rows: the pack's call cost more than its product); the swapped pack tells which
+    ran."""
+    rows = MAX_REDUCE_ROWS - 3
+    for side, uses_pack in ((64, False), (384, True)):  # 16 KiB; 576 KiB > SMALL_WEIGHT_BYTES
+        assert (side * side * 4 > SMALL_WEIGHT_BYTES) == uses_pack
+        weight, x = torch.randn(side, side), torch.randn(rows, side)
+        packed.pack_weights([weight])
+        _swap_pack(weight, 2 * weight)
+        torch._dynamo.reset()
+        compiled = torch.compile(linear, fullgraph=True, dynamic=False)
+        with torch.inference_mode():
+            expected = (2 if uses_pack else 1) * F.linear(x, weight)
+            assert_close(compiled(x, weight), expected, atol=1e-3, rtol=1e-4, msg=f"{side}x{side}")
