@@ -123,23 +123,34 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max:
     k tokens after it is taken (the freshest context), else the one with the most tokens after it (the earliest):
     in a repeating output the latest match ends one token before the end and would propose one token where an
     earlier one proposes k. `tokens` is the prompt followed by the output. Empty when nothing matches (the
-    sequence then decodes plainly this round). O(len(tokens) * n) numpy work.
+    sequence then decodes plainly this round). Numpy, one pass over the tokens (below).
     """
     arr = np.asarray(tokens, dtype=np.int64)
     length = arr.shape[0]
-    if k <= 0:
+    n_max = min(n_max, length - 1)
+    if k <= 0 or n_max < max(n_min, 1):
         return []
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        if n <= 0:
+    n_min = max(n_min, 1)
+    # One pass instead of one per n: the windows of the shortest n that match end at `ends` (each before the last
+    # token); then grow the matches backwards one token at a time, keeping those that still agree, up to n_max.
+    # The longest n any of them reaches wins, with its matches: O(length * n_min + matches * n_max) where trying
+    # each n from n_max down cost O(length * n) per n (0.7 ms a round on a 500-token sequence at n = 16..2).
+    ends = np.arange(n_min - 1, length - 1)
+    for j in range(n_min):
+        ends = ends[arr[ends - j] == arr[length - 1 - j]]
+    if not ends.size:
+        return []
+    n = n_min
+    while n < n_max:
+        ok = ends >= n  # room for one more token before the match
+        longer = ends[ok][arr[ends[ok] - n] == arr[length - 1 - n]]
+        if not longer.size:
             break
-        pattern = arr[length - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0 .. length - 1 - n
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= length]  # matches followed by k tokens
-            start = int(full[-1] if full.size else hits[0]) + n  # the token after the chosen match
-            return arr[start : start + k].tolist()
-    return []
+        ends, n = longer, n + 1
+    hits = ends - n + 1  # the starts of the longest matches, ascending
+    full = hits[hits + n + k <= length]  # matches followed by k tokens
+    start = int(full[-1] if full.size else hits[0]) + n  # the token after the chosen match
+    return arr[start : start + k].tolist()
 
 
 PENDING = -1  # draft method: a guess the draft model makes after scheduling (`astrai.inference.draft.fill`)

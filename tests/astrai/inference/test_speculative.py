@@ -93,6 +93,10 @@ def test_ngram_matches_the_brute_force_reference():
         assert got == _reference_ngram(tokens, k, n_min, n_max), (tokens, k, n_min, n_max)
         found += bool(got)
     assert found > 1000  # not vacuous: most random strings over 4 symbols have a match
+    for _ in range(300):  # long sequences and wide lookups (the edit benchmark's 2..16), where matches grow long
+        tokens = [rng.randrange(3) for _ in range(rng.randint(20, 200))]
+        k, n_min, n_max = rng.randint(1, 8), rng.randint(1, 4), rng.randint(4, 16)
+        assert propose_ngram(tokens, k, n_min, n_max) == _reference_ngram(tokens, k, n_min, n_max)
 
 
 def test_ngram_prefers_the_longest_n_then_the_latest_match():
