@@ -112,6 +112,7 @@ class Engine:
                                    policy=cfg.scheduling_policy)  # fmt: skip
         self.scheduler.adapters = self.adapters
         self.scheduler.propose = speculative.proposer(cfg.speculative) if cfg.speculative is not None else None
+        self.scheduler.spec_pause_at = cfg.speculative.disable_by_batch_size if cfg.speculative is not None else None
         rows = cfg.max_running * (1 + (cfg.speculative.num_speculative_tokens if cfg.speculative else 0))  # decode rows
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=rows,
                          compile_prefill=cfg.resolved_compile_prefill(device.type), max_model_len=self.max_model_len,

@@ -79,6 +79,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # speculative decoding: guesses for a decoding sequence, at most the given count (None: no speculation)
         self.propose: Callable[[Seq, int], Sequence[int]] | None = None
+        self.spec_pause_at: int | None = None  # no guesses while this many sequences run (disable_by_batch_size)
         self.spec_stats = SpecStats()
         self.adapters: Adapters | None = None  # multi-LoRA serving: the adapter slots (`astrai.inference.adapters`)
 
@@ -190,13 +191,15 @@ class Scheduler:
         its last (`max_tokens`) is not planned: `update` will end it with "length".
         """
         budget, plan = self.max_step_tokens, []
+        pause = self.spec_pause_at is not None and len(self.running) >= self.spec_pause_at
+        speculate = self.propose is not None and not pause
         for seq in sorted(self.running, key=self.order):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             if seq.in_flight and len(seq.outputs) + seq.in_flight >= seq.params.max_tokens:
                 continue
             n = min(seq.num_tokens + seq.in_flight - seq.num_computed, budget)
-            draft = self._draft(seq, budget) if n == 1 and self.propose is not None else ()
+            draft = self._draft(seq, budget) if n == 1 and speculate else ()
             if draft and not self._grow(seq, seq.num_computed + 1 + len(draft)):
                 draft = ()  # no pages for the guesses: decode plainly rather than preempt for them
             n += len(draft)

@@ -43,7 +43,7 @@ METHODS = ("ngram", "draft")
 _ALIASES = {"draft_model": "draft", "ngram": "ngram", "draft": "draft"}
 # vLLM's --speculative-config keys this engine reads ("model" is vLLM's name for the draft model's folder)
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                   "draft_model"})  # fmt: skip
+                   "draft_model", "disable_by_batch_size"})  # fmt: skip
 
 
 def _positive(_instance: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -60,6 +60,9 @@ class SpeculativeConfig:
         num_speculative_tokens: k, the most tokens proposed per sequence and round.
         prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (ngram; vLLM's defaults, 5).
         draft_model: the draft model's folder or id (draft).
+        disable_by_batch_size: vLLM's key: no guesses in a step while at least this many requests run (>= 2; None:
+            always). Where verifying k + 1 rows per request costs more than the guesses save at larger batches
+            (small models on CPU, compute-bound batches), speculation then serves only the small ones.
     """
 
     method: str = attrs.field(validator=attrs.validators.in_(METHODS))
@@ -67,8 +70,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = attrs.field(default=5, validator=_positive)
     prompt_lookup_max: int = attrs.field(default=5, validator=_positive)
     draft_model: str | None = None
+    disable_by_batch_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
 
     def __attrs_post_init__(self) -> None:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"speculative config: disable_by_batch_size must be >= 2 (or absent), got "
+                             f"{self.disable_by_batch_size}")  # fmt: skip
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is greater than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
@@ -110,7 +117,7 @@ class SpeculativeConfig:
             extra = {"prompt_lookup_min": low if low is not None else high,
                      "prompt_lookup_max": high if high is not None else low}  # fmt: skip
         return cls(method=_ALIASES[method], num_speculative_tokens=value["num_speculative_tokens"],
-                   draft_model=model, **extra)  # fmt: skip
+                   draft_model=model, disable_by_batch_size=value.get("disable_by_batch_size"), **extra)  # fmt: skip
 
 
 # ---- the n-gram proposer ------------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ def test_vllm_json_forms_parse():
     spelt = SpeculativeConfig.parse({"method": "draft_model", "model": "d", "num_speculative_tokens": 1})
     assert spelt.method == "draft"
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    paused = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4})
+    assert paused.disable_by_batch_size == 4 and ngram.disable_by_batch_size is None
 
 
 @pytest.mark.parametrize(
@@ -56,6 +58,10 @@ def test_vllm_json_forms_parse():
          "prompt_lookup_min (4) is greater"),
         ({"method": "draft", "num_speculative_tokens": 2}, 'needs "model"'),
         ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "ngram needs no model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
+         "disable_by_batch_size must be >= 2"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "4"},
+         "disable_by_batch_size must be an integer"),
     ],
 )  # fmt: skip
 def test_bad_configs_are_one_clear_error(value, names):

@@ -84,6 +84,19 @@ def test_output_is_token_identical_to_plain_decoding(model, params):
                 [t for t, _ in row] for row in b.outputs[0].top_logprobs]  # fmt: skip
 
 
+def test_disable_by_batch_size_pauses_guesses_while_the_batch_is_that_large(model):
+    """vLLM's `disable_by_batch_size`: the four prompts run together, so with 2 no step guesses and the tokens are
+    the plain run's; one prompt alone under the same config speculates (the negative control)."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    paused_spec = {**SPEC, "disable_by_batch_size": 2}
+    plain, _ = _run(model, None, params)
+    paused, stats = _run(model, paused_spec, params)
+    assert _tokens(paused) == _tokens(plain) and stats.spec_drafts == 0, stats
+    alone, stats = _run(model, paused_spec, params, prompts=PROMPTS[:1])
+    assert _tokens(alone) == _tokens(plain)[:1]
+    _assert_speculated(stats)
+
+
 def test_stop_strings_cut_where_plain_decoding_cuts(model):
     # stop strings taken from seven places in each plain output: some complete in the middle of a round that kept
     # several tokens, whose tokens after the stop must go (without that cut, six of these differ)
