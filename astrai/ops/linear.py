@@ -62,9 +62,9 @@ MIN_KERNEL_ROWS = 2
 # re-read per row is cheap, while an opaque call (a oneDNN pack: `astrai::packed_linear`, a Python custom op, or the
 # kernel) costs more than the product and splits inductor's fused kernels. A tiny model's 5-8-row steps
 # (speculative verify rows, small batches) were several times its 1-row step through the packs: a 0.87M-parameter
-# model (128 wide; its largest group, gate/up, 384 KiB) verified k = 7 guesses at ~2x the tokens per second
-# through the loop (docs/benchmarks.md, "CPU speculative decoding ..."). SmolLM2-135M's smallest group (o_proj,
-# 1.3 MiB fp32) is far above it.
+# model (128 wide; its largest group, gate/up, 384 KiB) verified k = 7 guesses at 1.5x the tokens per second through
+# the loop (1107 vs 740 tok/s; docs/benchmarks.md, "CPU: speculative decoding on the edit workload, faster proposer
+# and small-weight verify rows"). SmolLM2-135M's smallest group (o_proj, 1.3 MiB fp32) is far above it.
 SMALL_WEIGHT_BYTES = 512 * 1024
 # int8 weights take the kernel from one row with a bf16 x: inductor's loop widens them through fp32 per row, and a
 # whole SmolLM2-135M decode step ran 2.1x faster through the kernel (6.5 vs 13.4 ms). With an fp32 x the loop was as
