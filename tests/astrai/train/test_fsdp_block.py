@@ -81,11 +81,12 @@ def test_per_block_fsdp_matches_one_process(ranks, name):
 
 @pytest.mark.parametrize(("block", "model"), [("block", "model"), ("muon", "muon_model")])
 def test_whole_model_gather_gives_the_same_losses(ranks, block, model):
-    assert ranks[model]["losses"] == pytest.approx(ranks[block]["losses"], abs=1e-6)
-    got, ref = named_tensors(ranks[block]["trained"]), named_tensors(ranks[model]["trained"])
     # per block, a tied embedding's gradient is two reduce-scatters (embedding and head units) summed in the shard,
-    # one for the whole tree: last-bit differences, which Muon's bf16 Newton-Schulz can turn into ~1e-4
-    tol = 1e-3 if block == "muon" else 1e-6
+    # one for the whole tree: last-bit differences, which Muon's bf16 Newton-Schulz can turn into ~1e-4 in the
+    # weights and ~1e-5 in the next losses (9e-6 at step 3 on an AVX2-only EPYC, whose GEMMs round differently)
+    loss_tol, tol = (5e-5, 1e-3) if block == "muon" else (1e-6, 1e-6)
+    assert ranks[model]["losses"] == pytest.approx(ranks[block]["losses"], abs=loss_tol)
+    got, ref = named_tensors(ranks[block]["trained"]), named_tensors(ranks[model]["trained"])
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= tol
 
 
