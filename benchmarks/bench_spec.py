@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> dict:
     # the edit workload's own lookup (`--edit-k`, `--edit-lookup`): the best measured for copying text (docs)
     edit_ngram = {"num_speculative_tokens": args.edit_k, "prompt_lookup_min": args.edit_lookup[0],
                   "prompt_lookup_max": args.edit_lookup[1]}  # fmt: skip
+    if args.edit_disable_by_batch_size:
+        edit_ngram["disable_by_batch_size"] = args.edit_disable_by_batch_size
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     results, identical, info = [], True, {}
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--edit-k", type=int, default=7, help="edit (ngram): num_speculative_tokens")
     parser.add_argument("--edit-lookup", type=int, nargs=2, default=[2, 16], metavar=("MIN", "MAX"),
                         help="edit (ngram): prompt_lookup_min / max")  # fmt: skip
+    parser.add_argument("--edit-disable-by-batch-size", type=int, default=None, metavar="N",
+                        help="edit (ngram): vLLM's disable_by_batch_size (no guesses while N run)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 16 tokens, batch 1 (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
