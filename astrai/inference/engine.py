@@ -22,10 +22,8 @@ q/k/v and gate/up instead (`layout.py`), and both calls write the new values int
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import os
 import random
 import threading
 import time
@@ -42,21 +40,21 @@ from astrai.inference.cache import kv_bytes_per_token
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.draft import DraftProposer, draft_kv_bytes, load_draft
 from astrai.inference.engine_config import EngineConfig, EngineStats
+from astrai.inference.engine_grammar import GrammarMethods
+from astrai.inference.engine_lora import LoRAMethods
 from astrai.inference.errors import (
     EngineBusyError,
     EngineDeadError,
-    EngineInputError,
     LoRAError,
     LoRANotFoundError,
     RequestFailedError,
 )
 from astrai.inference.fast_paths import verify_at_start as verify_fast_paths
-from astrai.inference.grammar import Grammar, GrammarError, TokenizerView, build_view, grammar_source, new_matcher
-from astrai.inference.grammar_check import compile_checked
+from astrai.inference.grammar import TokenizerView, new_matcher
 from astrai.inference.handle import RequestHandle
 from astrai.inference.layout import layout_difference, served_model, should_fuse
 from astrai.inference.outputs import Completion, Delta
-from astrai.inference.params import GrammarSpec, SamplingParams
+from astrai.inference.params import SamplingParams
 from astrai.inference.plan import ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
@@ -82,7 +80,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(LoRAMethods, GrammarMethods):
     """Continuous-batching inference over a paged KV pool with a radix prefix cache."""
 
     def __init__(self, model: Model, config: EngineConfig | None = None) -> None:
@@ -111,8 +109,7 @@ class Engine:
                                    max_step_tokens=cfg.max_step_tokens, max_model_len=self.max_model_len,
                                    policy=cfg.scheduling_policy)  # fmt: skip
         self.scheduler.adapters = self.adapters
-        self.scheduler.propose = speculative.proposer(cfg.speculative) if cfg.speculative is not None else None
-        self.scheduler.spec_pause_at = cfg.speculative.disable_by_batch_size if cfg.speculative is not None else None
+        self.scheduler.speculate_with(cfg.speculative)
         rows = cfg.max_running * (1 + (cfg.speculative.num_speculative_tokens if cfg.speculative else 0))  # decode rows
         runner_kw = dict(num_pages=num_pages, page_size=cfg.page_size, compile=cfg.compile, max_running=rows,
                          compile_prefill=cfg.resolved_compile_prefill(device.type), max_model_len=self.max_model_len,
@@ -203,75 +200,6 @@ class Engine:
                 self.adapters.unpin(adapter)
             raise
         return tracked.handle
-
-    # ---- LoRA adapters (multi-LoRA serving, `astrai.inference.adapters`) --------------------------------------
-    def load_lora(self, name: str, path: str | os.PathLike) -> None:
-        """Read the PEFT adapter folder `path` (on this thread) and serve it as `name` (`submit(lora=name)`).
-
-        Raises:
-            LoRAError: LoRA serving is off, the name is taken, or the folder is missing, half-written, for
-                another base model, targets projections the base lacks or has a rank above `max_lora_rank`.
-        """
-        self._lora_on("lora_name").load(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """Stop serving `name`: new requests cannot name it; those already submitted finish with it."""
-        self._lora_on("lora_name").unload(name)
-
-    def loras(self) -> dict[str, str]:
-        """Loaded adapter name -> folder, in load order."""
-        return self.adapters.loaded() if self.adapters is not None else {}
-
-    def lora_model(self, name: str | None) -> contextlib.AbstractContextManager[Model]:
-        """`with engine.lora_model(name) as model:` the model with adapter `name` applied (the base model for None),
-        for work outside the engine's steps (prompt scoring); the adapter stays loaded until the block ends."""
-        if name is None:
-            return contextlib.nullcontext(self.model)
-        return self._lora_on("model").applied(name, self.model)
-
-    def _lora_on(self, param: str) -> Adapters:
-        if self.adapters is None:
-            raise LoRAError("this engine serves no LoRA adapters: start it with EngineConfig(enable_lora=True) "
-                            "(astrai serve --enable-lora)", param=param)  # fmt: skip
-        return self.adapters
-
-    def compile_grammar(self, spec: GrammarSpec) -> Grammar:
-        """Compile `spec` for this engine's tokenizer (cached on the view; the view is built on first use).
-
-        `submit` calls it; the server calls it first on its worker pool, so `submit` finds it cached.
-
-        Raises:
-            EngineInputError: `param` is `spec.param`: the grammar does not compile, admits no complete output
-                (`grammar_check`: an empty language, or a matcher that fails on the way), or the model has no
-                tokenizer.
-        """
-        spec.check()
-        try:
-            return compile_checked(self._view(spec.param), grammar_source(spec), spec.closers)
-        except GrammarError as err:
-            raise EngineInputError(f"{spec.param}: {err}", param=spec.param) from None
-
-    def prepare_grammar(self) -> bool:
-        """Build the grammar engine's view of the tokenizer now (1.5-4 s at a 150k vocabulary), not on the first
-        constrained request; `astrai serve` runs it on a thread at start. False when grammars are impossible
-        (no tokenizer, no EOS token): the first constrained request then gets the 400 that says so."""
-        try:
-            self._view("grammar")
-        except EngineInputError:
-            return False
-        return True
-
-    def _view(self, param: str) -> TokenizerView:
-        with self._grammar_lock:  # a request arriving while the view is built waits for it
-            if self._grammar_view is None:
-                if self.model.tokenizer is None:
-                    raise EngineInputError("this model has no tokenizer: grammars need one", param=param)
-                try:
-                    self._grammar_view = build_view(self.model.tokenizer, vocab_size=self.model.config.vocab_size,
-                                                    eos_token_ids=self.model.eos_token_ids or None)  # fmt: skip
-                except ValueError as err:  # no EOS token: a grammar could never end its sequence
-                    raise EngineInputError(str(err), param=param) from None
-            return self._grammar_view
 
     def _waiting_seqs(self) -> int:
         """Sequences queued: the scheduler's waiting ones and the inbox's requests' (exact under _cv)."""

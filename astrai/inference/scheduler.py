@@ -45,7 +45,7 @@ from astrai.inference.plan import SampledToken, ScheduledSeq
 from astrai.inference.pool import PagePool
 from astrai.inference.radix import RadixCache
 from astrai.inference.seq import Seq, Status
-from astrai.inference.speculative import PENDING, SpecStats
+from astrai.inference.speculative import PENDING, SpecStats, SpeculativeConfig, proposer
 from astrai.ops.attention import pages_needed
 
 logger = logging.getLogger(__name__)
@@ -228,6 +228,11 @@ class Scheduler:
         seq.num_computed += n
         seq.in_flight += item.sample
         return item
+
+    def speculate_with(self, config: SpeculativeConfig | None) -> None:
+        """Speculative decoding per `config` (None: off): its proposer and its pause (`disable_by_batch_size`)."""
+        self.propose = proposer(config) if config is not None else None
+        self.spec_pause_at = config.disable_by_batch_size if config is not None else None
 
     def _draft(self, seq: Seq, budget: int) -> tuple[int, ...]:
         """The proposer's guesses for a decoding sequence: as many as its adaptive k allows, within the step's
