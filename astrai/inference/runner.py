@@ -31,14 +31,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from astrai.inference import closing, fast_paths
+from astrai.inference import fast_paths
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
 from astrai.inference.grammar import (
     allocate_bitmask,
-    error_summary,
     fill_bitmask_after,
     fill_bitmask_batch,
-    matcher_error,
 )
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.layout import layout_difference
@@ -48,6 +46,7 @@ from astrai.inference.sampler import SampleOutput
 from astrai.inference.sampler_variants import SamplerVariants
 from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
+from astrai.inference.steer import guarded_steering
 from astrai.inference.step import SERVED_STEP_OPTIONS, LoRARows, compile_step, decode_step, prefill_step
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
@@ -161,41 +160,6 @@ def pack_cpu_weights(model: Model) -> bool:
     for group in groups:
         pack_group(group)
     return True
-
-
-def _steered_token(seq: Seq) -> int | None:
-    """The token a constrained sequence must take now to finish its grammar within `max_tokens` (None: free).
-
-    Not while `min_tokens` still holds EOS back (the closing path may end with it)."""
-    if seq.matcher is None or len(seq.outputs) < seq.params.min_tokens:
-        return None
-    if seq.steering is None:
-        seq.steering = closing.Steering()
-    produced = len(seq.outputs)
-    remaining = seq.params.max_tokens - produced
-    view_bytes = seq.matcher.grammar.view.token_bytes
-    window = seq.steering.window
-    near = window is not None and remaining <= window  # only then does steering read the text so far
-    prefix = b"".join(view_bytes[t] for t in seq.outputs if t < len(view_bytes)) if near else b""
-    return seq.steering.next_token(seq.matcher, produced, remaining, prefix, seq.params.grammar.closers)
-
-
-def _guarded_steering(seq: Seq) -> int | None:
-    """`_steered_token` for a row whose mask was just filled, failing only that sequence (`Seq.error`, which ends
-    it with "error" and its request with `RequestFailedError`) when its grammar has no way forward: the matcher
-    failed (llguidance's mask then allows only EOS, which would end the output as if it were complete), or the
-    steering raised. The step and every other sequence go on."""
-    why = matcher_error(seq.matcher)
-    if why is not None:
-        why = error_summary(why)
-        seq.error = f"the grammar reached a state with no way forward after {len(seq.outputs)} token(s): {why}"
-        return None
-    try:
-        return _steered_token(seq)
-    except Exception as err:  # a bug in the host work of one sequence must not end the engine thread
-        logger.exception("request %s: budget-aware closing failed; ending that request", seq.id)
-        seq.error = f"the grammar's host work failed after {len(seq.outputs)} token(s): {type(err).__name__}: {err}"
-        return None
 
 
 class ModelRunner:
@@ -484,7 +448,7 @@ class ModelRunner:
         for j, (s, before) in enumerate(draws):  # budget-aware closing: near the end of its budget a row follows
             if s.matcher is None or s.error is not None or before:  # its path (guessed rows are far from the end)
                 continue
-            token = _guarded_steering(s)
+            token = guarded_steering(s)
             if token is not None:
                 mask[j] = 0
                 bit = 1 << (token & 31)

@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 
 from astrai.inference import runner as runner_module
+from astrai.inference import steer as steer_module
 
 AUTH = {"Authorization": "Bearer test-key"}
 USER = [{"role": "user", "content": "hi"}]
@@ -151,14 +152,14 @@ def break_target(monkeypatch, server):
 def raise_in_steering(monkeypatch):
     """Make the host work of the TARGET request's sequence raise 3 tokens in (as `path[0]` on an empty closing
     path once did, ending the engine thread)."""
-    steered = runner_module._steered_token
+    steered = steer_module.steered_token
 
     def raising(seq):
         if TARGET in seq.matcher.grammar.source and len(seq.outputs) >= 3:
             raise IndexError("list index out of range")
         return steered(seq)
 
-    monkeypatch.setattr(runner_module, "_steered_token", raising)
+    monkeypatch.setattr(steer_module, "steered_token", raising)
 
 
 def _target(stream: bool = False) -> dict:
@@ -217,14 +218,14 @@ def test_completions_whose_grammar_fails_end_with_a_400_or_an_error_event(server
 
 
 def test_anthropic_request_whose_grammar_fails_is_a_400_in_its_shape(server, monkeypatch):
-    steered = runner_module._steered_token
+    steered = steer_module.steered_token
 
     def raising(seq):  # the forced tool call's host work fails 3 tokens in
         if seq.params.grammar.param == "tool_choice" and len(seq.outputs) >= 3:
             raise IndexError("list index out of range")
         return steered(seq)
 
-    monkeypatch.setattr(runner_module, "_steered_token", raising)
+    monkeypatch.setattr(steer_module, "steered_token", raising)
     tool = {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
     body = {"model": "tiny-test", "max_tokens": 64, "messages": USER, "tools": [tool], "tool_choice": {"type": "any"}}
     reply = httpx.post(server.base_url + "/v1/messages", headers=AUTH, timeout=60, json=body)
