@@ -153,7 +153,10 @@ class _ServeProcess:
     def __enter__(self) -> "_ServeProcess":
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=self.env)  # fmt: skip
-        for _ in range(300):
+        # up to 120 s: a first start in a fresh clone builds the CPU ops library and imports cold, which took
+        # longer than the 30 s this waited before on a loaded 2-core box; a server that exits stops the wait
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
                     break
