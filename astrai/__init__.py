@@ -2,7 +2,9 @@
 
 Models are pure functions over attrs parameter trees; see SPEC §1 for the public API.
 
-Besides the re-exports, one thing runs here: in a source checkout used without installing (`PYTHONPATH=.`, the
+Besides the re-exports, two things run here. First, before anything imports torch, astrai's OpenMP wait setting
+(`astrai.openmp`: a short GOMP_SPINCOUNT, so CPU decode gives a shared core back quickly; a user's own setting wins).
+Second, in a source checkout used without installing (`PYTHONPATH=.`, the
 GPU check scripts), the repo's top-level folders triton_kernels/, cuda_ref/, cpu_kernels/, configs/ and
 quickstart/ become importable as `astrai.triton_kernels` and so on, the names pyproject's package-dir gives them
 in an install
@@ -10,6 +12,10 @@ in an install
 """
 
 from pathlib import Path as _Path
+
+from astrai.openmp import set_default_spin_count as _set_default_spin_count
+
+_set_default_spin_count()  # before the imports below load torch (and its OpenMP runtime)
 
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "triton_kernels" / "__init__.py").is_file():

@@ -37,6 +37,7 @@ from astrai.inference.adapters import Adapters, serve_adapters
 from astrai.inference.admission import check_request, encode_prompt
 from astrai.inference.budget import kv_pool_pages, pool_max_model_len
 from astrai.inference.cache import kv_bytes_per_token
+from astrai.inference.cpu_share import shared_cores
 from astrai.inference.delivery import RequestDelivery
 from astrai.inference.draft import DraftProposer, draft_kv_bytes, load_draft
 from astrai.inference.engine_config import EngineConfig, EngineStats
@@ -123,6 +124,7 @@ class Engine(LoRAMethods, GrammarMethods):
         else:
             self.runner = ModelRunner(self._served, **runner_kw)
         self.draft = DraftProposer.start(draft, runner_kw, model.config.vocab_size)
+        self.cores = shared_cores(device, tp_size, cfg.share_cpu_cores)  # CPU: step threads follow free cores
         self._rng, self._arrival = random.Random(cfg.seed), itertools.count()
         self._tracked: dict[str, RequestDelivery] = {}
         self._inbox, self._aborts = [], []  # RequestDelivery to admit, request ids to abort (engine thread)
@@ -349,6 +351,8 @@ class Engine(LoRAMethods, GrammarMethods):
         try:
             while self._wait_for_work():
                 self._run_step()
+                if self.cores is not None:
+                    self.cores.after_step()
                 if self._pending is None and self.config.overlap_schedule:
                     with self._cv:
                         self._cv.notify_all()  # _settle may be waiting for the device to go idle
@@ -372,7 +376,15 @@ class Engine(LoRAMethods, GrammarMethods):
         except Exception as err:
             self._fail(err)
             raise
+        if self.cores is not None:
+            self.cores.after_step()
         return True
+
+    def restore_threads(self) -> None:
+        """Give the stepping thread back the torch thread count it had (`EngineConfig.share_cpu_cores` may have
+        lowered it while another program held a core): `astrai.generate` calls it when a call ends."""
+        if self.cores is not None:
+            self.cores.restore()
 
     def _fail(self, err: Exception) -> None:
         with self._cv:
@@ -411,6 +423,8 @@ class Engine(LoRAMethods, GrammarMethods):
                 raise RuntimeError(f"the scheduler cannot admit request {head.id} (sequence {head.index}) with "
                                    f"nothing running: {self.pool.num_free} free KV pages")  # fmt: skip
             return
+        if self.cores is not None:
+            self.cores.before_step()
         vocab, start = self.model.config.vocab_size, time.perf_counter()
         if self.config.overlap_schedule:  # queue this step, then read the one before while the device runs it
             self._pending = (plan, self.runner.launch(plan, vocab_size=vocab, previous=pending and pending[1]), start)

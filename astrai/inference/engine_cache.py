@@ -47,6 +47,9 @@ PAGE_SIZE = 16
 MIN_KV_TOKENS = 1024  # the smallest pool a cached engine gets (a few MiB for small models)
 COMPILE = True
 """Compile the decode step of cached engines (tests set False for speed; measured on CPU in docs/benchmarks.md)."""
+SHARE_CPU_CORES = False
+"""`EngineConfig.share_cpu_cores` of cached engines (off by default, as in `EngineConfig`; bench_shared_cores and
+bench_cpu_peers' workers turn it on for their arms)."""
 COMPILING = "compiling the decode step (first call only)…"
 
 _console = Console(stderr=True)
@@ -83,7 +86,7 @@ def _config(kv_tokens: int, rows: int, *, compile: bool, speculative: Speculativ
     lora = dict(enable_lora=True, max_loras=loras[0], max_lora_rank=loras[1]) if loras[0] else {}
     return EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=kv_tokens, max_running=rows,
                         max_step_tokens=max(2048, rows), compile=compile, background=False,
-                        speculative=speculative, **lora)  # fmt: skip
+                        speculative=speculative, share_cpu_cores=SHARE_CPU_CORES, **lora)  # fmt: skip
 
 
 def _lora_need(folders: Sequence[str | None] | None, old: EngineConfig | None) -> tuple[int, int]:
@@ -230,6 +233,7 @@ def run(model: Model, prompts: Sequence[Sequence[int]], params: SamplingParams, 
         try:
             with _status(COMPILING) if compiling else contextlib.nullcontext():
                 out = _generate(engine, prompts, params, lora)
+            engine.restore_threads()  # the caller's thread stepped it: give back its torch thread count
         except EngineInputError:
             raise  # rejected before any step ran: the engine is as it was
         except BaseException:

@@ -47,6 +47,7 @@ RANK = {
     "cuda_ref": 0,
     "cpu_kernels": 0,
     "tree": -1,
+    "openmp": -1,  # imported by the facade before torch: it imports nothing of astrai's
 }
 
 

@@ -278,3 +278,27 @@ def test_replicas_smoke_reports_json(tmp_path):
         assert all(r["queried_tokens"] > 0 and 0 <= r["hit_rate"] <= 1 for r in run["replicas"]), arm
         assert len(run["replicas"]) == (1 if arm == "one_engine" else 2) and run["ttft_p50"] > 0
     assert {r["ratio"] for r in report["ratios"]} >= set(report["goals"]) and report["bandwidth_gbs"]["median"] > 0
+
+
+@pytest.mark.slow  # ~60 s: three astrai workers compile their engines; the peers are never installed in CI
+def test_cpu_peers_smoke_runs_astrai_alone_when_no_peer_is_installed(tmp_path):
+    report = _smoke("bench_cpu_peers.py", tmp_path, timeout=600,
+                    args=("--workloads", "single", "batch", "--work", str(tmp_path / "work")),
+                    ASTRAI_LLAMA_PYTHON="", ASTRAI_VLLM_PYTHON="")  # fmt: skip
+    assert report["peers"] == {"llama": None, "vllm": None}
+    kinds = {(r["workload"], r["weights"], r["engine"]) for r in report["rows"]}
+    assert kinds == {("single", w, "astrai") for w in ("float32", "bfloat16", "int8")} | {
+        ("batch", w, "astrai") for w in ("float32", "bfloat16")}  # fmt: skip
+    assert all(r["tok_s"] > 0 for r in report["rows"]) and all(0 < r["roofline"] for r in report["rows"][:3])
+    assert all(r["agree_tokens"] == 8 for r in report["rows"] if r["weights"] == "float32" and r["requests"] == 1)
+
+
+@pytest.mark.slow  # ~40 s: two astrai workers, quiet and beside a busy process
+def test_shared_cores_smoke_measures_every_arm_quiet_and_contended(tmp_path):
+    report = _smoke("bench_shared_cores.py", tmp_path, timeout=600,
+                    args=("--arms", "default:fixed", "10000", "--work", str(tmp_path / "work")))  # fmt: skip
+    assert {(r["arm"], r["workload"]) for r in report["rows"]} == {
+        (a, w) for a in ("default:fixed", "10000") for w in ("single", "batch", "single (contended)",
+                                                              "batch (contended)")}  # fmt: skip
+    assert all(r["tok_s"] > 0 for r in report["rows"])
+    assert all(r["of_quiet"] > 0 for r in report["rows"] if "contended" in r["workload"])
