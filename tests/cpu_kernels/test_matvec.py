@@ -27,6 +27,16 @@ from astrai.ops.linear import (
 )
 from helpers import assert_close
 
+
+@pytest.fixture(autouse=True)
+def kernel_for_small_weights(monkeypatch):
+    """These tests' weights are small, and small weights keep inductor's loop (`ops.linear.SMALL_WEIGHT_BYTES`,
+    tested in tests/astrai/ops/test_packed_linear.py); here the kernel's own paths are under test."""
+    from astrai.ops import linear as ops_linear
+
+    monkeypatch.setattr(ops_linear, "SMALL_WEIGHT_BYTES", 0)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {torch.float32: "avx512f", torch.bfloat16: "avx512_bf16"}  # /proc/cpuinfo's names
 
