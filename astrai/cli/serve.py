@@ -84,6 +84,9 @@ class ServeConfig(ModelArgs):
     """Tokens per KV page."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (radix tree)."""
+    share_cpu_cores: bool = False
+    """CPU: run the steps on the cores other programs leave (`EngineConfig.share_cpu_cores`); the warm-up then
+    compiles the steps at every thread count it may pick, so no request waits on that compile."""
     generation_config: str = "auto"
     """Sampling defaults for requests that leave a field unset (temperature, top_p, top_k, min_p, ...).
     auto: the model's generation_config.json; none or vllm: no defaults; a folder: its generation_config.json."""
@@ -296,6 +299,7 @@ def engine_config(cfg: ServeConfig):
                         max_waiting=cfg.max_waiting, max_model_len=cfg.max_model_len,
                         kv_budget_tokens=cfg.kv_budget, gpu_memory_utilization=cfg.gpu_memory_utilization,
                         page_size=cfg.page_size, prefix_cache=cfg.enable_prefix_caching, seed=cfg.seed,
+                        share_cpu_cores=cfg.share_cpu_cores,
                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, pack_weights=cfg.pack_weights,
                         fuse_projections={"auto": None, "on": True, "off": False}[cfg.fuse_projections],
                         tensor_parallel_size=cfg.tensor_parallel_size, overlap_schedule=cfg.async_scheduling,
@@ -323,10 +327,28 @@ def _warm_up(engine: Engine) -> None:
         done = warm_up()
         if engine.draft is not None:  # speculative decoding's draft model: its steps too
             engine.draft.warm_up()
+        if engine.cores is not None:  # --share-cpu-cores: Dynamo guards on the thread count, so each count compiles
+            warm_at_fewer_threads(engine, warm_up)
     steps, sampler = done["seconds"]
     console.print(f"compiled before serving ({time.perf_counter() - start:.1f} s): decode batch sizes "
                   f"{done['decode'] or 'none (CUDA graphs or eager)'} ({steps:.1f} s), sampler variants "
                   f"{done['sampler']} ({sampler:.1f} s)", highlight=False)  # fmt: skip
+
+
+def warm_at_fewer_threads(engine: Engine, warm_up) -> None:
+    """The warm-up again at each thread count below the engine's, which `share_cpu_cores` may pick (Dynamo's
+    global-state guard includes `torch.get_num_threads()`, so each count is a compile of its own)."""
+    import torch
+
+    threads = engine.cores.threads
+    try:
+        for count in range(1, threads):
+            torch.set_num_threads(count)
+            warm_up()
+            if engine.draft is not None:
+                engine.draft.warm_up()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -119,3 +119,29 @@ def test_no_request_compiles_after_warm_up(model):
     with Engine(model, cfg) as cold:  # negative control: the same requests without the warm-up
         moved = _graphs_compiled_by(cold)
     assert moved["second"] > 0 and moved["n=2"] > 0 and moved["penalties"] > 0, moved
+
+
+@pytest.mark.slow  # the warm-up twice (two thread counts): minutes on a loaded 2-core box
+def test_serve_share_cpu_cores_warms_every_thread_count_it_may_pick(model, monkeypatch):
+    """`astrai serve --share-cpu-cores`: Dynamo guards on the thread count, so the warm-up runs at each count; a
+    request on one thread then compiles nothing. Negative control: the plain warm-up leaves one thread to compile."""
+    from astrai.cli import serve
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for share, compiles in ((True, False), (False, True)):
+            with Engine(model, EngineConfig(compile=True, background=False, kv_budget_tokens=512,
+                                            share_cpu_cores=True)) as engine:  # fmt: skip
+                assert engine.cores is not None
+                if share:
+                    serve._warm_up(engine)
+                else:
+                    engine.runner.warm_up()
+                torch.set_num_threads(1)  # what the monitor sets beside a busy process
+                before = counters["stats"]["unique_graphs"]
+                engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+                assert (counters["stats"]["unique_graphs"] > before) == compiles
+                torch.set_num_threads(2)
+    finally:
+        torch.set_num_threads(threads)
