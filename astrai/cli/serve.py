@@ -36,6 +36,7 @@ from astrai.cli._common import (
     run_guarded,
     served_names,
 )
+from astrai.cli.serve_start import prepare_grammar, warm_up
 
 if TYPE_CHECKING:
     from astrai.inference.engine import Engine, EngineConfig
@@ -308,49 +309,6 @@ def engine_config(cfg: ServeConfig):
                         max_cpu_loras=cfg.max_cpu_loras)  # fmt: skip
 
 
-def _prepare_grammar(engine: Engine) -> None:
-    """Build the grammar view while the server starts (structured output, tool calls): the first constrained
-    request would otherwise wait seconds for it at a large vocabulary."""
-    start = time.perf_counter()
-    if engine.prepare_grammar():
-        console.print(f"grammar engine ready ({time.perf_counter() - start:.1f} s)", highlight=False)
-
-
-def _warm_up(engine: Engine) -> None:
-    """Compile every decode batch-size graph and sampler variant now, before `serving` is printed, so that no
-    request waits on a compile (DESIGN fact F9; `ModelRunner.warm_up`). Nothing to do without `--compile`."""
-    warm_up = getattr(engine.runner, "warm_up", None)
-    if warm_up is None or not engine.config.compile:
-        return
-    start = time.perf_counter()
-    with console.status("compiling the decode step's batch sizes and the sampler's variants"):
-        done = warm_up()
-        if engine.draft is not None:  # speculative decoding's draft model: its steps too
-            engine.draft.warm_up()
-        if engine.cores is not None:  # --share-cpu-cores: Dynamo guards on the thread count, so each count compiles
-            warm_at_fewer_threads(engine, warm_up)
-    steps, sampler = done["seconds"]
-    console.print(f"compiled before serving ({time.perf_counter() - start:.1f} s): decode batch sizes "
-                  f"{done['decode'] or 'none (CUDA graphs or eager)'} ({steps:.1f} s), sampler variants "
-                  f"{done['sampler']} ({sampler:.1f} s)", highlight=False)  # fmt: skip
-
-
-def warm_at_fewer_threads(engine: Engine, warm_up) -> None:
-    """The warm-up again at each thread count below the engine's, which `share_cpu_cores` may pick (Dynamo's
-    global-state guard includes `torch.get_num_threads()`, so each count is a compile of its own)."""
-    import torch
-
-    threads = engine.cores.threads
-    try:
-        for count in range(1, threads):
-            torch.set_num_threads(count)
-            warm_up()
-            if engine.draft is not None:
-                engine.draft.warm_up()
-    finally:
-        torch.set_num_threads(threads)
-
-
 def listen_socket(host: str, port: int) -> socket.socket:
     """A socket bound to `host:port` as uvicorn binds one (IPv6 for a host with `:`), for uvicorn to listen on.
 
@@ -465,8 +423,8 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
         except GraphCaptureError as err:
             fail(str(err))
     _load_adapters(engine, modules)
-    threading.Thread(target=_prepare_grammar, args=(engine,), name="grammar-view", daemon=True).start()
-    _warm_up(engine)
+    threading.Thread(target=prepare_grammar, args=(engine,), name="grammar-view", daemon=True).start()
+    warm_up(engine)
     kv_tokens = engine.stats().kv_pages_total * engine_cfg.page_size
     console.print(f"KV cache: {kv_tokens:,} tokens; max model len {engine.max_model_len:,}; "
                   f"up to {engine_cfg.max_running} sequences", highlight=False)  # fmt: skip

@@ -125,7 +125,7 @@ def test_no_request_compiles_after_warm_up(model):
 def test_serve_share_cpu_cores_warms_every_thread_count_it_may_pick(model, monkeypatch):
     """`astrai serve --share-cpu-cores`: Dynamo guards on the thread count, so the warm-up runs at each count; a
     request on one thread then compiles nothing. Negative control: the plain warm-up leaves one thread to compile."""
-    from astrai.cli import serve
+    from astrai.cli import serve_start
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -135,7 +135,7 @@ def test_serve_share_cpu_cores_warms_every_thread_count_it_may_pick(model, monke
                                             share_cpu_cores=True)) as engine:  # fmt: skip
                 assert engine.cores is not None
                 if share:
-                    serve._warm_up(engine)
+                    serve_start.warm_up(engine)
                 else:
                     engine.runner.warm_up()
                 torch.set_num_threads(1)  # what the monitor sets beside a busy process
