@@ -9,9 +9,8 @@ product) and only up to `MAX_REDUCE_ROWS` rows, past which the GEMM wins again.
 int8 weight-only (`scale` given, `astrai.ops.quant`): the weight is int8 [out, in] and `scale` [out] its
 per-row scale. CPU products call the same hand-written kernel as below, compiled or eager, which widens the int8
 weights in registers (to fp32, or to bf16 pairs for a bf16 x), so decode reads a quarter of the fp32 bytes; the
-scale and bias then apply to the fp32 product. Compiled, it takes products from 1 row with a bf16 x and from 2 with
-fp32 (one fp32 row keeps inductor's loop, fused with its neighbours); eager, from 1 row. With a bf16 x it takes up
-to 32 rows compiled and 24 eager (`INT8_KERNEL_MAX_ROWS`, `INT8_EAGER_MAX_ROWS`); with fp32 any number: past 21
+scale and bias then apply to the fp32 product. It takes products from 1 row, compiled or eager. With a bf16 x it
+takes up to 32 rows compiled and 24 eager (`INT8_KERNEL_MAX_ROWS`, `INT8_EAGER_MAX_ROWS`); with fp32 any number: past 21
 rows the kernel runs a blocked GEMM that widens each panel of weight rows once in L2 (`cpu_kernels/gemm_i8.c`,
 prefill). Without the kernel, few-row compiled products take the loop, which does the widening in registers too
 (faster than the fp32 loop in ad hoc runs; the scripted figures are `bench_packed_linear.py --int8`'s, in
@@ -19,12 +18,13 @@ docs/benchmarks-history.md). Elsewhere (more bf16 rows, GPU) the weight is
 widened to the input's dtype and multiplied as usual, the scale applied to the product's columns; under
 `torch.compile` on GPU inductor fuses the widening into the matmul.
 
-With 2-8 rows of bf16, or 2-3 of fp32 (batched decode, n > 1 sampling), on an AVX-512 CPU the products instead
-call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
+With 1-8 rows of bf16, or 1-3 of fp32 (decode, n > 1 sampling, verify rows), on an AVX-512 CPU the products
+instead call `astrai.cpu_kernels.matvec`, a hand-written kernel that streams each weight once per two rows, where
 inductor's loop re-reads it per row: a SmolLM2-135M decode step of 4 rows took 17-18 ms against 33-49 (bf16)
-and 28-33 against 39-43 (fp32). One call takes the weights that share an input (q/k/v, gate/up). One row keeps
-inductor's loop: the kernel streams a single row faster in isolation, but as an opaque op (~17 us a call, ~120
-calls a step) that splits inductor's fused kernels it measured no faster over the whole step.
+and 28-33 against 39-43 (fp32). One call takes the weights that share an input (q/k/v, gate/up). One row took
+inductor's loop until 2026-12-07: on the AMD development box the kernel, as an opaque op that splits inductor's
+fused kernels, measured no faster over the whole step; on an AMX Xeon the loop streamed at half the kernel's speed
+and `astrai.generate` ran 1.22x faster in bf16 through the kernel (`MIN_KERNEL_ROWS`).
 `ASTRAI_CPU_KERNELS=0` turns it off; without AVX-512 or a C compiler the loop runs.
 
 Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
@@ -52,11 +52,14 @@ MAX_REDUCE_ROWS = 8  # measured crossover on a 2-core EPYC: the reduce form wins
 # at 6, 34.5 -> 22.8 at 8 (19.9 vs 19.6 at 3, 15.8 vs 18.8 at 2). Weights nobody packed still take the kernel there
 # (`packed_linear._unpacked`): MKL's GEMM took 50.3 ms at 6 rows. bf16 keeps 8 (13.2 vs 13.8 ms at 8 rows).
 REDUCE_ROWS = {torch.float32: 3} if packed.AVAILABLE else {}
-# The CPU matvec kernel takes 2..MAX_REDUCE_ROWS rows: at one row inductor's loop, fused with its neighbours, was
-# as fast or faster over whole compiled decode steps (docs/benchmarks.md, "CPU matvec kernel"). The upper bound is
-# the loop's: a bound of its own would split the 2-8-row decode graph in two (a recompile on CPU when a batch
-# crosses it), for fp32 at 5-8 rows, where the kernel measured within the noise of the loop.
-MIN_KERNEL_ROWS = 2
+# The CPU matvec kernel takes products from one row. Before 2026-12-07 one row kept inductor's loop, fused with its
+# neighbours: on the 2-core AMD EPYC box it was as fast over whole compiled steps (bf16 6.8-8.7 ms kernel against
+# 7.3-8.1 loop, fp32 11.2-11.3 against 10.9-11.1; docs/benchmarks-history.md "CPU matvec kernel"). On the 2-core
+# AMX Xeon the loop streamed the projections at 11.2 GB/s against the kernel's 19.7 (bench_matvec --one-graph), and
+# `astrai.generate` of SmolLM2-135M (128 in, 128 out, median of 5, two alternating process pairs) ran bf16 44.5 /
+# 43.7 -> 53.9 / 53.5 tok/s, fp32 33.0 / 33.2 -> 34.1 / 33.6, fp32 + int8 55.8 / 48.1 -> 61.1 / 58.1: no box
+# measured a clear loss, one a 1.1-1.2x gain. Small weights (`SMALL_WEIGHT_BYTES`) keep the loop.
+MIN_KERNEL_ROWS = 1
 # Products whose weights (a group's together) fit this many bytes keep inductor's multiply + row-sum loop for up to
 # MAX_REDUCE_ROWS rows whatever the dtype, and skip the matvec kernel: such a weight stays in L2, so the loop's
 # re-read per row is cheap, while an opaque call (a oneDNN pack: `astrai::packed_linear`, a Python custom op, or the
@@ -66,10 +69,6 @@ MIN_KERNEL_ROWS = 2
 # the loop (1107 vs 740 tok/s; docs/benchmarks.md, "CPU: speculative decoding on the edit workload, faster proposer
 # and small-weight verify rows"). SmolLM2-135M's smallest group (o_proj, 1.3 MiB fp32) is far above it.
 SMALL_WEIGHT_BYTES = 512 * 1024
-# int8 weights take the kernel from one row with a bf16 x: inductor's loop widens them through fp32 per row, and a
-# whole SmolLM2-135M decode step ran 2.1x faster through the kernel (6.5 vs 13.4 ms). With an fp32 x the loop was as
-# fast or faster at one row (5.1 vs 6.3 ms, 7.2 vs 7.3), and the kernel wins from two rows (1.4-1.5x at 4-8 rows).
-MIN_KERNEL_ROWS_INT8 = {torch.bfloat16: 1, torch.float32: 2}
 # int8 products of up to this many rows (by x's dtype) take the kernel, compiled or eager. With a bf16 x the engine's
 # decode graphs are then batch 1, 2-32 and above 32 (fp32 int8: 1 and above 1), and past 32 rows the weight is widened
 # to bf16 for oneDNN's GEMM. A SmolLM2-135M engine decode step, kernel against widened (in-process A/B, an engine per
@@ -168,10 +167,7 @@ def _matvec_kernel(x: Tensor, weights: Sequence[Tensor], *, int8: bool = False) 
     ones, `int8`) that it supports, and row-major weights (a transposed view would be copied on every call; the
     loop reads any strides)."""
     rows = x.numel() // x.shape[-1]
-    minimum = MIN_KERNEL_ROWS_INT8.get(x.dtype, MIN_KERNEL_ROWS) if int8 else MIN_KERNEL_ROWS
-    if int8 and not torch.compiler.is_compiling():  # no loop to fuse with: eager, the kernel or the widened weight
-        minimum = 1
-    if rows < minimum:  # callers have checked the upper bound (MAX_REDUCE_ROWS, or INT8_KERNEL_MAX_ROWS)
+    if rows < MIN_KERNEL_ROWS:  # callers have checked the upper bound (MAX_REDUCE_ROWS, or INT8_KERNEL_MAX_ROWS)
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
         return False

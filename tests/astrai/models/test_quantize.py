@@ -94,7 +94,7 @@ def test_compiled_decode_step_equals_eager(dtype, rows):
     from torch._inductor.utils import run_and_get_code
 
     from astrai.cpu_kernels import matvec
-    from astrai.ops.linear import MIN_KERNEL_ROWS_INT8
+    from astrai.ops.linear import MIN_KERNEL_ROWS
 
     cfg = with_biases(configs()["qwen3_moe"])  # random biases: fp32's one row is the loop's own bias add
     q = quantize_params(astrai.tree.cast(random_biases(init_params(cfg, seed=2), seed=3), dtype))
@@ -103,7 +103,7 @@ def test_compiled_decode_step_equals_eager(dtype, rows):
     compiled = torch.compile(lambda p, t: forward(p, cfg, t), fullgraph=False, dynamic=False)
     eager = forward(q, cfg, tokens)
     out, code = run_and_get_code(compiled, q, tokens)
-    kernel = matvec.supports(dtype) and rows >= MIN_KERNEL_ROWS_INT8[dtype]
+    kernel = matvec.supports(dtype) and rows >= MIN_KERNEL_ROWS
     assert any("cpu_matvec.default(" in c for c in code) == kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: rounding of the activations between the two paths
     assert (out.float() - eager.float()).abs().max() <= tol * max(1.0, eager.abs().max().item())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 from astrai.cpu_kernels import matvec
-from astrai.ops.linear import INT8_EAGER_MAX_ROWS, INT8_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, MIN_KERNEL_ROWS_INT8, linear
+from astrai.ops.linear import INT8_EAGER_MAX_ROWS, INT8_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, MIN_KERNEL_ROWS, linear
 from astrai.ops.quant import dequantize_int8, quantize_int8
 from helpers import assert_close, cpu_kernels_off
 
@@ -63,7 +63,7 @@ def kernels(request) -> Iterator[bool]:
 def _kernel_runs(dtype: torch.dtype, rows: int, *, compiled: bool, kernels: bool) -> bool:
     """Whether `ops.linear` should send an int8 product of `rows` rows to the CPU kernel (its documented bounds)."""
     bound = (INT8_KERNEL_MAX_ROWS if compiled else INT8_EAGER_MAX_ROWS).get(dtype, rows)
-    low = MIN_KERNEL_ROWS_INT8[dtype] if compiled else 1
+    low = MIN_KERNEL_ROWS if compiled else 1
     return kernels and matvec.supports(dtype) and low <= rows <= bound
 
 
