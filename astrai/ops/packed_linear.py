@@ -174,7 +174,6 @@ def _unpacked(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | No
     return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
 
 
-@torch.library.custom_op("astrai::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)`, through the weight's oneDNN pack when `pack_weights` made one (else
     `_unpacked`)."""
@@ -182,12 +181,6 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _unpacked(x, (weight,), (bias,)) if out is None else out
 
 
-@packed_linear.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("astrai::packed_linear_cat", mutates_args=())
 def packed_linear_cat(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Tensor:
     """`cat([F.linear(x, w, b) ...], -1)`, as one product through the group's pack when `pack_group` made one."""
     out = run_packed_group(x, weights, biases)
@@ -198,6 +191,23 @@ def packed_linear_cat(x: Tensor, weights: list[Tensor], biases: list[Tensor | No
     return out
 
 
-@packed_linear_cat.register_fake
+# `torch.ops.astrai.packed_linear` / `packed_linear_cat`: opaque to torch.compile, called from compiled CPU steps
+# (~120 times a batched decode step). Registered with torch.library directly, as `cpu_kernels.matvec` registers its
+# op, rather than through `torch.library.custom_op`, whose wrapper added ~11 us a call here (a compiled call of one
+# small packed product: 97.7 -> 86.5 us; docs/benchmarks-history.md, "CPU: one-row products through the matvec
+# kernel, prefetched weight streams").
+_LIBRARY = torch.library.Library("astrai", "FRAGMENT")
+_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.define("packed_linear_cat(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
+_LIBRARY.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+_LIBRARY.impl("packed_linear_cat", packed_linear_cat, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("astrai::packed_linear", lib=_LIBRARY)
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("astrai::packed_linear_cat", lib=_LIBRARY)
 def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Tensor:
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
