@@ -35,3 +35,39 @@ def set_default_spin_count(environ: MutableMapping[str, str] | None = None) -> b
         return False
     environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
+
+
+OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: release the threads, keep nothing else
+
+
+def release_idle_threads() -> bool:
+    """Let the calling thread's idle OpenMP worker threads exit (libgomp's `omp_pause_resource_all`); True when
+    some libgomp of the process did.
+
+    Why: libgomp counts every worker thread of every thread's pool, and while that count exceeds the CPUs it cuts
+    the spin of waiting threads to 100 rounds (`gomp_throttled_spin_count_var`), so workers sleep and are woken
+    through the kernel at every parallel region. A background engine thread has a pool of its own beside the pool
+    of the thread that loaded the model and warmed it up: on the 2-core box that made a 16-request bf16 `Engine`
+    1.8x slower on its thread than on the caller's (222-231 against 407-422 tok/s; docs/benchmarks-history.md,
+    "CPU: a background engine thread and libgomp's thread count"). Releasing the idle pool restores it (416-424).
+
+    Call it from a thread that is done with parallel work for now (it must not be inside a parallel region); the
+    next torch op of that thread that runs in parallel builds a new pool, and the engine slows again while it
+    lives. Linux only (the libgomp the process has mapped, found in /proc/self/maps); False elsewhere, without
+    libgomp (an LLVM or Intel OpenMP build of torch), or with a libgomp older than OpenMP 5.0 (GCC 9)."""
+    import ctypes  # lazily: this module is imported before torch, on every `import astrai`
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "/libgomp" in line and line.rstrip().endswith(".so.1")}
+    except OSError:
+        return False
+    released = False
+    for path in sorted(paths):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        released |= pause(OMP_PAUSE_SOFT) == 0
+    return released

@@ -37,6 +37,7 @@ from astrai.cli._common import (
     served_names,
 )
 from astrai.cli.serve_start import prepare_grammar, warm_up
+from astrai.openmp import release_idle_threads
 
 if TYPE_CHECKING:
     from astrai.inference.engine import Engine, EngineConfig
@@ -425,6 +426,7 @@ def _serve(cfg: ServeConfig, sock: socket.socket, origins: tuple[str, ...], engi
     _load_adapters(engine, modules)
     threading.Thread(target=prepare_grammar, args=(engine,), name="grammar-view", daemon=True).start()
     warm_up(engine)
+    release_idle_threads()  # loading and warm-up built this thread an OpenMP pool: it would slow the engine's
     kv_tokens = engine.stats().kv_pages_total * engine_cfg.page_size
     console.print(f"KV cache: {kv_tokens:,} tokens; max model len {engine.max_model_len:,}; "
                   f"up to {engine_cfg.max_running} sequences", highlight=False)  # fmt: skip

@@ -66,6 +66,7 @@ from astrai.inference.tp import RankFailedError, TPRunner, tp_devices
 from astrai.io.model import Model
 from astrai.models.decoder import DecoderParams
 from astrai.models.tp import tp_config
+from astrai.openmp import release_idle_threads
 
 __all__ = [
     "Engine",
@@ -138,6 +139,7 @@ class Engine(LoRAMethods, GrammarMethods):
         if cfg.background:
             self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
             self._thread.start()
+            release_idle_threads()  # this thread's OpenMP pool would cut the engine thread's spin (astrai.openmp)
 
     def _rank_failed(self, message: str) -> None:
         self.fatal = message
@@ -225,6 +227,8 @@ class Engine(LoRAMethods, GrammarMethods):
         plist = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         names = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         handles = [self.submit(p, q, lora=a) for p, q, a in zip(prompts, plist, names, strict=True)]
+        if self.config.background:  # this thread waits: its idle OpenMP threads would slow the engine's (openmp.py)
+            release_idle_threads()
         return [h.result() for h in handles]
 
     def run_batch(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:

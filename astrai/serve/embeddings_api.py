@@ -46,6 +46,7 @@ from torch import Tensor
 from astrai.inference.embed import check_ids, encode_rows, plan_batches
 from astrai.io.model import Model
 from astrai.models.encoder import EncoderConfig
+from astrai.openmp import release_idle_threads
 from astrai.serve import common
 from astrai.serve.common import APIError, openai_error
 from astrai.serve.disconnect import ClientGone, watch
@@ -291,6 +292,8 @@ class Embedder:
                     self._jobs.append(job)  # behind the others: one pass per turn
             if error is not None or job.done == len(job.passes):
                 job.settle(error if error is not None else job.out)
+            if not self._jobs:  # idle now: this thread's OpenMP pool would slow the engine's steps (astrai.openmp)
+                release_idle_threads()
 
 
 def _encode_vector(vector: Any, as_base64: bool) -> list[float] | str:

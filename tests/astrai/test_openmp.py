@@ -38,3 +38,32 @@ def test_a_users_setting_wins_and_a_loaded_torch_is_left_alone(given, monkeypatc
     assert env == (given or {"GOMP_SPINCOUNT": openmp.SPIN_COUNT})
     monkeypatch.undo()
     assert "torch" in sys.modules and not openmp.set_default_spin_count({})  # too late: nothing written
+
+
+_POOL = """
+import os, sys, time, torch
+from astrai import openmp
+torch.set_num_threads(2)
+threads = lambda: len(os.listdir("/proc/self/task"))
+torch.ones(1 << 22).sum()  # a parallel region: this thread's pool gets its worker thread
+before = threads()
+released = openmp.release_idle_threads() if sys.argv[1] == "release" else False
+time.sleep(0.2)  # the released worker exits on its own
+after = threads()
+torch.ones(1 << 22).sum()  # the next parallel op builds the pool again
+print(before, after, threads(), released)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_release_idle_threads_lets_the_callers_openmp_workers_exit():
+    def run(arm: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", _POOL, arm], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    before, after, again, released = run("release")
+    assert released == "True" and int(after) == int(before) - 1 and int(again) == int(before)
+    # negative control: without the call the worker stays
+    before, after, again, released = run("keep")
+    assert released == "False" and int(after) == int(before) == int(again)

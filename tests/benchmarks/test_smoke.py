@@ -302,3 +302,11 @@ def test_shared_cores_smoke_measures_every_arm_quiet_and_contended(tmp_path):
                                                               "batch (contended)")}  # fmt: skip
     assert all(r["tok_s"] > 0 for r in report["rows"])
     assert all(r["of_quiet"] > 0 for r in report["rows"] if "contended" in r["workload"])
+
+
+@pytest.mark.slow  # ~60 s: four engines compile their decode steps
+def test_engine_thread_smoke_measures_every_arm(tmp_path):
+    report = _smoke("bench_engine_thread.py", tmp_path, timeout=900)
+    assert {r["arm"] for r in report["rows"]} == {"foreground", "background", "background-kept",
+                                                  "foreground-beside-pool"}  # fmt: skip
+    assert all(r["tok_s"] > 0 for r in report["rows"])

@@ -2,6 +2,7 @@
 prefill, preemption, n > 1, logprobs, aborts, and no KV leaks."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -215,6 +216,26 @@ def test_bad_requests_are_rejected_with_clear_errors(pair):
             engine.submit([1, 2], SamplingParams(max_tokens=2))
             with pytest.raises(EngineBusyError):
                 engine.submit([1, 2], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
+def test_a_background_engine_releases_the_callers_idle_openmp_threads(
+    pair, prompts, reference, background, monkeypatch
+):
+    # libgomp cuts every waiting thread's spin while its threads outnumber the CPUs, so the pool of the thread that
+    # loaded the model would slow a background engine's steps ~1.8x on 2 cores (astrai.openmp.release_idle_threads)
+    import astrai.inference.engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "release_idle_threads", lambda: calls.append(threading.get_ident()))
+    _, model = pair
+    with Engine(model, EngineConfig(compile=False, kv_budget_tokens=2048, background=background)) as engine:
+        started = len(calls)
+        results = engine.generate(prompts[:2], GREEDY)
+    assert [list(r.outputs[0].token_ids) for r in results] == reference[:2]
+    # at start and before each blocking wait, from the caller's thread; a foreground engine steps on that thread
+    assert (started, len(calls)) == ((1, 2) if background else (0, 0))
+    assert set(calls) <= {threading.get_ident()}
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["thread", "foreground"])
