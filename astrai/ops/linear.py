@@ -57,8 +57,10 @@ REDUCE_ROWS = {torch.float32: 3} if packed.AVAILABLE else {}
 # 7.3-8.1 loop, fp32 11.2-11.3 against 10.9-11.1; docs/benchmarks-history.md "CPU matvec kernel"). On the 2-core
 # AMX Xeon the loop streamed the projections at 11.2 GB/s against the kernel's 19.7 (bench_matvec --one-graph), and
 # `astrai.generate` of SmolLM2-135M (128 in, 128 out, median of 5, two alternating process pairs) ran bf16 44.5 /
-# 43.7 -> 53.9 / 53.5 tok/s, fp32 33.0 / 33.2 -> 34.1 / 33.6, fp32 + int8 55.8 / 48.1 -> 61.1 / 58.1: no box
-# measured a clear loss, one a 1.1-1.2x gain. Small weights (`SMALL_WEIGHT_BYTES`) keep the loop.
+# 43.7 -> 53.9 / 53.5 tok/s, fp32 33.0 / 33.2 -> 34.1 / 33.6, fp32 + int8 55.8 / 48.1 -> 61.1 / 58.1. The one loss
+# on record is fp32 + int8 on the AMD box (a step of 5.14 / 7.23 ms loop against 6.30 / 7.32 kernel, 2026-12-04),
+# measured before the kernel's prefetches (which took int8 one-row products from 13.9 to 19.9 GB/s on the Xeon); the
+# AMD box was not available to measure again. Small weights (`SMALL_WEIGHT_BYTES`) keep the loop.
 MIN_KERNEL_ROWS = 1
 # Products whose weights (a group's together) fit this many bytes keep inductor's multiply + row-sum loop for up to
 # MAX_REDUCE_ROWS rows whatever the dtype, and skip the matvec kernel: such a weight stays in L2, so the loop's
