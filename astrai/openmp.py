@@ -55,19 +55,35 @@ def release_idle_threads() -> bool:
     next torch op of that thread that runs in parallel builds a new pool, and the engine slows again while it
     lives. Linux only (the libgomp the process has mapped, found in /proc/self/maps); False elsewhere, without
     libgomp (an LLVM or Intel OpenMP build of torch), or with a libgomp older than OpenMP 5.0 (GCC 9)."""
+    released = False
+    for pause in _pause_functions():
+        released |= pause(OMP_PAUSE_SOFT) == 0
+    return released
+
+
+_PAUSES: list | None = None
+
+
+def _pause_functions() -> list:
+    """`omp_pause_resource_all` of each libgomp the process has mapped; looked up once (Engine.generate calls
+    `release_idle_threads` per call), and again while none is found (torch not yet imported)."""
+    global _PAUSES
+    if _PAUSES:
+        return _PAUSES
     import ctypes  # lazily: this module is imported before torch, on every `import astrai`
 
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = {line.split()[-1] for line in maps if "/libgomp" in line and line.rstrip().endswith(".so.1")}
     except OSError:
-        return False
-    released = False
+        return []
+    found = []
     for path in sorted(paths):
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        released |= pause(OMP_PAUSE_SOFT) == 0
-    return released
+        found.append(pause)
+    _PAUSES = found
+    return found
