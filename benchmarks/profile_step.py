@@ -47,7 +47,14 @@ from astrai.triton_kernels import _launch
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
 GEMM_KERNEL = re.compile(r"gemm|matmul|cutlass|xmma|wgmma", re.I)
 FUSE = {"auto": None, "on": True, "off": False}
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise"}
+GEMM_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::_weight_int8pack_mm",
+    "mkldnn::_linear_pointwise",
+    "astrai::cpu_matvec",
+}
 
 
 def build(name: str, dtype: torch.dtype, device: str) -> Model:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "constant_when_compiled", "load"]
+__all__ = ["AMX", "AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "constant_when_compiled", "load"]
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -47,7 +47,8 @@ _TORCH_DIR = Path(torch.__file__).resolve().parent
 # the stable ABI's shim functions live in libtorch_cpu; torch's own libraries are loaded RTLD_LOCAL, so link them
 _OPS_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", f"-I{_TORCH_DIR / 'include'}", f"-L{_TORCH_DIR / 'lib'}",
               "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{_TORCH_DIR / 'lib'}")  # fmt: skip
-AVX512, AVX512_BF16 = 1, 2  # bits of astrai_cpu_features(): AVX-512 F/BW/VL, and AVX512-BF16 as well
+# bits of astrai_cpu_features(): AVX-512 F/BW/VL; AVX512-BF16 as well; AMX (tiles and bf16, granted by the OS) as well
+AVX512, AVX512_BF16, AMX = 1, 2, 4
 FEATURES = {torch.float32: AVX512, torch.bfloat16: AVX512_BF16}  # what each dtype's kernels need
 
 

@@ -53,7 +53,7 @@ from astrai.models.decoder import projection_groups, projection_weights
 from astrai.nn.lora_slots import slot_linears
 from astrai.ops.attention import AttnMeta, pages_needed
 from astrai.ops.collectives import TensorParallel
-from astrai.ops.linear import MAX_REDUCE_ROWS, reduce_rows
+from astrai.ops.linear import MAX_REDUCE_ROWS, kernel_rows, reduce_rows
 from astrai.ops.moe import fused_experts_enabled
 from astrai.ops.packed_linear import is_group_packed, pack_group, packable, repack
 from astrai.tree import tree_map
@@ -73,10 +73,10 @@ def _mark_dynamic(tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) 
     torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
 
 
-def prefill_padding(num_requests: int, num_tokens: int) -> int:
-    """Padding requests a compiled prefill step adds (one token each): to at least 2 requests and more than
-    `MAX_REDUCE_ROWS` tokens, so every step matches one graph (see the module docstring)."""
-    return max(0, 2 - num_requests, PREFILL_MIN_ROWS - num_tokens)
+def prefill_padding(num_requests: int, num_tokens: int, min_rows: int = PREFILL_MIN_ROWS) -> int:
+    """Padding requests a compiled prefill step adds (one token each): to at least 2 requests and `min_rows` tokens
+    (`ModelRunner.prefill_min_rows`), so every step matches one graph (see the module docstring)."""
+    return max(0, 2 - num_requests, min_rows - num_tokens)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -250,15 +250,24 @@ class ModelRunner:
     def warm_prefill(self) -> None:
         """Compile the prefill step now (at engine start, like the decode graphs on CUDA), not on the first prompt:
         one step of padding requests only, which write nothing to the pool and attend to nothing."""
-        tokens, meta = self._host_meta([], decode=False, rows=PREFILL_MIN_ROWS, width=2)
+        rows = self.prefill_min_rows()
+        tokens, meta = self._host_meta([], decode=False, rows=rows, width=2)
         for lora in (None, padding_rows(meta)) if self.lora else (None,):  # the base graph and the LoRA one
-            self.run(StepInputs("prefill", tokens, meta, torch.zeros(PREFILL_MIN_ROWS, dtype=torch.long), lora))
+            self.run(StepInputs("prefill", tokens, meta, torch.zeros(rows, dtype=torch.long), lora))
+
+    def prefill_min_rows(self) -> int:
+        """The fewest tokens and sampled rows of a compiled prefill step: `PREFILL_MIN_ROWS`, past the few-row
+        branches of `ops.linear`; on CPU past its AMX branch too (bf16 products of up to `AMX_MAX_ROWS` rows), so
+        that a prefill step of any size matches the one graph compiled at start."""
+        amx = self.device.type == "cpu" and kernel_rows(self.model.dtype) > MAX_REDUCE_ROWS
+        return max(PREFILL_MIN_ROWS, kernel_rows(self.model.dtype) + 1) if amx else PREFILL_MIN_ROWS
 
     def decode_warm_sizes(self) -> list[int]:
         """Decode batch sizes that cover every graph the compiled CPU decode step can specialise: 1 (Dynamo's
         size-1 specialisation), 2, and one past each few-row bound of `ops.linear` (its row-reduce branch), plus
         `max_running`; the sizes between share a symbolic graph."""
-        sizes = {1, 2, reduce_rows(self.model.dtype) + 1, MAX_REDUCE_ROWS + 1, self.max_running}
+        dtype = self.model.dtype
+        sizes = {1, 2, reduce_rows(dtype) + 1, MAX_REDUCE_ROWS + 1, kernel_rows(dtype) + 1, self.max_running}
         return sorted(b for b in sizes if b <= self.max_running)
 
     @torch.inference_mode()
@@ -344,13 +353,13 @@ class ModelRunner:
             return StepInputs("decode", tokens, meta, n)
         requests = len(plan)
         if self.compiled_prefill is not None:
-            requests += prefill_padding(len(plan), sum(item.num_new for item in plan))
+            requests += prefill_padding(len(plan), sum(item.num_new for item in plan), self.prefill_min_rows())
         tokens, meta = self._host_meta(plan, decode=False, rows=requests, width=self._width(plan), previous=previous)
         last = logits_rows(meta).tolist()  # each sequence's last token; a speculating one samples k rows before it
         rows = torch.tensor([r for i in sampling for r in range(last[i] - len(plan[i].draft), last[i] + 1)],
                             dtype=torch.long)  # fmt: skip
-        if self.compiled_prefill is not None and len(rows) < PREFILL_MIN_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(PREFILL_MIN_ROWS - len(rows))])  # dropped after the forward
+        if self.compiled_prefill is not None and len(rows) < self.prefill_min_rows():
+            rows = torch.cat([rows, rows.new_zeros(self.prefill_min_rows() - len(rows))])  # dropped after the forward
         return StepInputs("prefill", tokens, meta, rows)
 
     def run(self, step: StepInputs) -> Tensor:

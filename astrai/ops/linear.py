@@ -27,6 +27,11 @@ fused kernels, measured no faster over the whole step; on an AMX Xeon the loop s
 and `astrai.generate` ran 1.22x faster in bf16 through the kernel (`MIN_KERNEL_ROWS`).
 `ASTRAI_CPU_KERNELS=0` turns it off; without AVX-512 or a C compiler the loop runs.
 
+On a CPU with AMX (Intel Sapphire Rapids and later), compiled bf16 products of 9 to `AMX_MAX_ROWS` (64) rows, batched
+decode, call the same kernel, which runs them on AMX tiles (`cpu_kernels/amx.c`, from 2 rows): as fast as oneDNN's
+GEMM per product but ~80 us cheaper per call, so a 16-row SmolLM2-135M decode step took 22 ms against 27 through
+oneDNN on the 2-core Xeon (32 rows 31 vs 35; equal at 48 and 64). `ASTRAI_CPU_AMX=0` turns the tiles off.
+
 Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
 pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. fp32 takes it from 4 rows (`REDUCE_ROWS`),
 where the packed GEMM beat the kernel by 1.3-1.5x over a whole step; weights nobody packed take the matvec kernel
@@ -84,6 +89,11 @@ INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 32}
 # (one `generate_ids` call, max_tokens=1, 7 alternating calls, ms) took 35.5 vs 38.5 widened at 20 tokens, 39.4 vs
 # 38.9 at 24, 47.2 vs 43.4 at 32.
 INT8_EAGER_MAX_ROWS = {torch.bfloat16: 24}
+# bf16 products of more than MAX_REDUCE_ROWS and up to this many rows, compiled, take the kernel instead of oneDNN's
+# packed GEMM where it runs on AMX (`cpu_matvec.amx()`, `cpu_kernels/amx.c`): batched decode. The tiles stream the
+# weight as fast as oneDNN does, and the call costs ~2 us through the C++ op against ~80 us for the pack's (torch's
+# oneDNN wrapper and the Python op).
+AMX_MAX_ROWS = 64
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -97,6 +107,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
         if scale is None and not _small(weight) and _matvec_kernel(x, (weight,)):
             return _kernel_linears(x, (weight,), (bias,))[0]
         return _reduce_linear(x, weight, bias, scale)
+    if scale is None and _amx_rows(x) and not _small(weight) and _matvec_kernel(x, (weight,)):
+        return _kernel_linears(x, (weight,), (bias,))[0]
     if scale is not None:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
         return out if bias is None else out + bias.to(x.dtype)
@@ -114,7 +126,7 @@ def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
     (`packed_linear.pack_group`) run as one product and come back as views of its output; so do few-row
     products through the CPU matvec kernel (one call for the group)."""
     few = _row_reduce(x, weights)
-    if few and not _small(*weights) and _matvec_kernel(x, weights):
+    if (few or _amx_rows(x)) and not _small(*weights) and _matvec_kernel(x, weights):
         return _kernel_linears(x, weights, biases)
     if not few and _packed_path(x, weights, biases):
         if torch.compiler.is_compiling():
@@ -143,6 +155,23 @@ def _row_reduce(x: Tensor, weights: Sequence[Tensor] = (), *, int8: bool = False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     bound = MAX_REDUCE_ROWS if int8 or (weights and _small(*weights)) else reduce_rows(x.dtype)
     return torch.compiler.is_compiling() and x.device.type == "cpu" and 0 < rows <= bound
+
+
+def kernel_rows(dtype: torch.dtype) -> int:
+    """The most rows a compiled CPU product of `dtype` sends to the matvec kernel (its tile kernel on AMX CPUs)."""
+    return AMX_MAX_ROWS if dtype == torch.bfloat16 and cpu_matvec.amx() else reduce_rows(dtype)
+
+
+def _amx_rows(x: Tensor) -> bool:
+    """More rows than the few-row regime and at most `AMX_MAX_ROWS`, bf16, inside a compiled graph on an AMX CPU."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and MAX_REDUCE_ROWS < rows <= AMX_MAX_ROWS
+        and cpu_matvec.amx()
+    )
 
 
 def _int8_kernel_rows(x: Tensor) -> bool:

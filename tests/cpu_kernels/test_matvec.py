@@ -20,6 +20,7 @@ from astrai.ops.linear import (
     INT8_EAGER_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
     MAX_REDUCE_ROWS,
+    kernel_rows,
     linear,
     linears,
     reduce_rows,
@@ -94,18 +95,24 @@ def test_int8_weights_match_the_product_with_their_integers(dtype, rows, k):
     assert not torch.allclose(out.double(), x.double() @ torch.cat(weights).view(torch.uint8).double().T)
 
 
-def _gemm_i8(x: torch.Tensor, weights: list[torch.Tensor], threads: int) -> torch.Tensor:
-    """gemm_i8.c's blocked GEMM called directly (the op reaches it only from 22 rows), y [M, sum N] fp32."""
+def call_kernel(name: str, x: torch.Tensor, weights: list[torch.Tensor], threads: int) -> tuple[int, torch.Tensor]:
+    """A C entry of the library with the matvec signature called directly, e.g. gemm_i8.c's blocked GEMM (the op
+    reaches it only from 22 rows): (its status, y [M, sum N] fp32, NaN where nothing was written)."""
     import ctypes
 
-    fn = library.load().cdll.astrai_gemm_i8_f32
+    fn = getattr(library.load().cdll, name)
     fn.restype = ctypes.c_int
     y = torch.full((x.shape[0], sum(w.shape[0] for w in weights)), float("nan"))
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     rows = (ctypes.c_long * len(weights))(*(w.shape[0] for w in weights))
     args = (ctypes.c_void_p(x.data_ptr()), ctypes.c_long(x.shape[0]), ctypes.c_long(x.shape[1]), pointers, rows,
             ctypes.c_long(len(weights)), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(threads))  # fmt: skip
-    assert fn(*args) == 0
+    return fn(*args), y
+
+
+def _gemm_i8(x: torch.Tensor, weights: list[torch.Tensor], threads: int) -> torch.Tensor:
+    status, y = call_kernel("astrai_gemm_i8_f32", x, weights, threads)
+    assert status == 0
     return y
 
 
@@ -254,6 +261,8 @@ def test_row_counts_past_the_measured_bound_keep_the_loop(dtype):
     weight = torch.randn(24, 32).to(dtype)
     bound = reduce_rows(dtype)  # fp32: 3 (oneDNN's packed GEMM wins from 4), bf16: MAX_REDUCE_ROWS
     assert bound == (3 if dtype == torch.float32 and packed_linear.AVAILABLE else MAX_REDUCE_ROWS)
+    # bf16 on an AMX CPU: the kernel's tiles take batched rows too, up to AMX_MAX_ROWS (tests/cpu_kernels/test_amx.py)
+    bound = kernel_rows(dtype)
     for rows in (bound, bound + 1):  # past it the products are GEMMs (oneDNN packs)
         x = torch.randn(rows, 32).to(dtype)
         torch._dynamo.reset()
@@ -317,7 +326,10 @@ def _fresh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     ("env", "reason"),
     [
         ({"ASTRAI_CPU_KERNELS": "0"}, "disabled by ASTRAI_CPU_KERNELS=0"),
-        ({"CC": "false"}, "could not build the kernel: false failed on decode_attention.c gemm_i8.c lora.c matvec.c"),
+        (
+            {"CC": "false"},
+            "could not build the kernel: false failed on amx.c decode_attention.c gemm_i8.c lora.c matvec.c",
+        ),
     ],
 )
 def test_without_a_kernel_the_op_falls_back_and_says_why(tmp_path, env, reason):
