@@ -183,7 +183,8 @@ def _check_complete(path: Path) -> None:
 # every kernel module's entry points: a cached library missing one of them is stale or damaged
 ENTRIES = ("astrai_cpu_features", "astrai_matvec_f32", "astrai_matvec_bf16", "astrai_matvec_i8_f32",
            "astrai_matvec_i8_bf16", "astrai_decode_attention_f32", "astrai_decode_attention_bf16", "astrai_lora_f32",
-           "astrai_lora_bf16")  # fmt: skip
+           "astrai_lora_bf16", "astrai_amx_bf16", "astrai_rms_norm_f32", "astrai_rms_norm_bf16", "astrai_silu_mul_f32",
+           "astrai_silu_mul_bf16", "astrai_rotary_kv_store_f32", "astrai_rotary_kv_store_bf16")  # fmt: skip
 
 
 def load() -> Library:

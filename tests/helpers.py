@@ -375,17 +375,18 @@ def cpu_kernels_off():
     """
     import os
 
-    from astrai.cpu_kernels import decode_attention, library, matvec
+    from astrai.cpu_kernels import decode_attention, library, matvec, pointwise
 
-    saved = (os.environ.get("ASTRAI_CPU_KERNELS"), library._LIBRARY, matvec._KERNELS, decode_attention._KERNELS)
+    saved = (os.environ.get("ASTRAI_CPU_KERNELS"), library._LIBRARY, matvec._KERNELS, decode_attention._KERNELS,
+             pointwise._KERNELS)  # fmt: skip
     os.environ["ASTRAI_CPU_KERNELS"] = "0"
     library._LIBRARY = library.Library(reason="disabled by ASTRAI_CPU_KERNELS=0")
     # fresh binding caches: bound while disabled they would stay empty (and the kernels off) for the whole process
-    matvec._KERNELS, decode_attention._KERNELS = {}, None
+    matvec._KERNELS, decode_attention._KERNELS, pointwise._KERNELS = {}, None, {}
     try:
         yield
     finally:
-        env, library._LIBRARY, matvec._KERNELS, decode_attention._KERNELS = saved
+        env, library._LIBRARY, matvec._KERNELS, decode_attention._KERNELS, pointwise._KERNELS = saved
         if env is None:
             os.environ.pop("ASTRAI_CPU_KERNELS", None)
         else:

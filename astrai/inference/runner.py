@@ -56,6 +56,7 @@ from astrai.ops.collectives import TensorParallel
 from astrai.ops.linear import MAX_REDUCE_ROWS, kernel_rows, reduce_rows
 from astrai.ops.moe import fused_experts_enabled
 from astrai.ops.packed_linear import is_group_packed, pack_group, packable, repack
+from astrai.ops.pointwise import inference_kernels
 from astrai.tree import tree_map
 
 logger = logging.getLogger(__name__)
@@ -373,13 +374,16 @@ class ModelRunner:
         if step.kind == "decode":
             if self.compiled_decode is not None:
                 _mark_dynamic(tokens, meta, lora)
-            return (self.compiled_decode or self.eager_decode)(self.model.params, tokens, meta, self.cache, lora=lora)
+                return self.compiled_decode(self.model.params, tokens, meta, self.cache, lora=lora)
+            with inference_kernels():  # eager: RMSNorm and SiLU * up in one CPU pass each (`ops.pointwise`)
+                return self.eager_decode(self.model.params, tokens, meta, self.cache, lora=lora)
         rows = upload(step.rows, self.device)
         if self.compiled_prefill is not None:
             _mark_dynamic(tokens, meta, lora)
             torch._dynamo.maybe_mark_dynamic(rows, 0)
             return self.compiled_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
-        return self.eager_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
+        with inference_kernels():
+            return self.eager_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
 
     @torch.inference_mode()
     def execute(self, plan: Sequence[ScheduledSeq], *, vocab_size: int) -> dict[int, SampledToken]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.nn.linear import LinearParams, init_linear, linear, linear_group
+from astrai.ops.pointwise import silu_mul
 from astrai.tree import pytree
 
 
@@ -56,4 +56,4 @@ def mlp(p: MLPParams | FusedMLPParams, x: Tensor) -> Tensor:
         gate, up = linear(p.gate_up_proj, x).chunk(2, dim=-1)
     else:
         gate, up = linear_group((p.gate_proj, p.up_proj), x)
-    return linear(p.down_proj, F.silu(gate) * up)
+    return linear(p.down_proj, silu_mul(gate, up))

@@ -1,7 +1,8 @@
 """RMSNorm: `RMSNormParams` (weight [E]) and `rms_norm()`.
 
 Computes in fp32 and casts back before the weight multiply, in the same order as HF's LlamaRMSNorm, so
-bf16 outputs match transformers bit for bit.
+bf16 outputs match transformers bit for bit (the engine's eager CPU steps run a one-pass kernel that sums the squares
+in another order: `astrai.ops.pointwise`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from astrai.ops import pointwise
 from astrai.tree import pytree
 
 
@@ -27,7 +29,6 @@ def init_rms_norm(dim: int, *, dtype: torch.dtype = torch.float32) -> RMSNormPar
 
 
 def rms_norm(p: RMSNormParams, x: Tensor, *, eps: float) -> Tensor:
-    """x: [..., E] -> [..., E], normalised over the last dim."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return p.weight * h.to(x.dtype)
+    """x: [..., E] -> [..., E], normalised over the last dim (`astrai.ops.pointwise.rms_norm`: in fp32, rounded to x's
+    dtype, times the gain; one CPU kernel pass in the engine's eager steps)."""
+    return pointwise.rms_norm(x, p.weight, eps)

@@ -1,5 +1,6 @@
 """Rotary embedding on q and k (`rotary`), and with the KV store of a paged layer fused in (`rotary_kv_store_`):
-Triton kernels on CUDA, plain torch on CPU.
+Triton kernels on CUDA, plain torch on CPU, except that an eager CPU `rotary_kv_store_` that needs no gradient runs
+one hand-written pass (`astrai.cpu_kernels.pointwise`; the halves form, head dims that are multiples of 32).
 
 `ASTRAI_FUSED_ROTARY_KV_STORE=0` (or false / no / off; read at import) makes `rotary_kv_store_` run its two steps
 on CUDA too (the Triton rotary kernel, then the Triton KV store); `FUSED_KV_STORE` is that switch, which the
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 
+from astrai.cpu_kernels import pointwise as cpu_pointwise
 from astrai.ops.backend import attn_backend
 from astrai.ops.kv_store import kv_store_
+from astrai.ops.pointwise import cpu_kernel_applies
 
 FUSED_KV_STORE_ENV = "ASTRAI_FUSED_ROTARY_KV_STORE"
 FUSED_KV_STORE = os.environ.get(FUSED_KV_STORE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -85,6 +89,19 @@ def rotary_kv_store_(
         from astrai.triton_kernels.rotary_kv_store import rms_norm_ref
 
         q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    if _cpu_kernel(q, k, v, cos, kv, interleaved):  # eager CPU: one pass (`cpu_kernels/pointwise.c`)
+        return cpu_pointwise.rotary_kv_store_(q, k, v, cos, sin, kv[0], kv[1], slot_mapping)
     q, k = rotary(q, k, cos, sin, interleaved=interleaved)
     kv_store_(kv[0], kv[1], k, v, slot_mapping)
     return q
+
+
+def _cpu_kernel(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, kv: tuple[Tensor, Tensor], interleaved: bool) -> bool:
+    """Whether `rotary_kv_store_` may run the CPU kernel: `ops.pointwise.cpu_kernel_applies`, the halves form, a head
+    dim that is a multiple of 32, fp32 tables of one row per token, and pools of q's dtype and one layout."""
+    if interleaved or q.dim() != 3 or q.shape[-1] % 32 or cos.dtype != torch.float32 or cos.dim() != 2:
+        return False
+    if cos.shape[0] != q.shape[0] or kv[0].stride() != kv[1].stride() or kv[0].shape != kv[1].shape:
+        return False
+    tensors = (q, k, v, *kv)
+    return all(t.stride(-1) == 1 for t in tensors) and cpu_kernel_applies(*tensors)
