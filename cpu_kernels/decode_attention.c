@@ -23,6 +23,8 @@
  * Returns 0, or 1 when a buffer could not be allocated.
  */
 #include <immintrin.h>
+
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,20 +40,9 @@
 #define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* exp of 16 floats <= 0 (Cephes' polynomial after x = n ln2 + r; ~1 ulp); lanes outside `keep` come out 0 */
+/* exp of 16 floats <= 0 (`cephes_exp_ps`, ~1 ulp); lanes outside `keep` come out 0 */
 INLINE TARGET_F32 __m512 exp_ps(__m512 x, __mmask16 keep) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    return _mm512_maskz_mov_ps(keep, cephes_exp_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))));
 }
 
 /* 16 values of a row, widened to fp32 */

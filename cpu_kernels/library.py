@@ -41,6 +41,7 @@ import torch
 __all__ = ["AMX", "AVX512", "AVX512_BF16", "Library", "bind", "build_dir", "constant_when_compiled", "load"]
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: hashed with them
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 OPS_SOURCE = Path(__file__).parent / "ops.cpp"
 _TORCH_DIR = Path(torch.__file__).resolve().parent
@@ -93,7 +94,7 @@ def _build(
     """Compile `sources` into the cache as `{stem}-{digest}.so` (skipped when these sources, flags, compiler and torch
     version were built before, unless `fresh`)."""
     digest = hashlib.sha256(" ".join([*compiler, *flags, torch.__version__]).encode())
-    for source in sources:
+    for source in (*sources, *HEADERS):
         digest.update(source.name.encode() + source.read_bytes())
     target = build_dir() / f"{stem}-{digest.hexdigest()[:16]}.so"
     if target.exists() and not fresh:

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 /* no fused multiply-adds where the code writes a product and a sum: torch rounds each (rotary's x1 c - x2 s) */
 #pragma GCC optimize("fp-contract=off")
 #pragma STDC FP_CONTRACT OFF
@@ -47,63 +49,38 @@ INLINE TARGET_BF16 __m512 round_bf16(__m512 v) {
 
 /* ---- RMSNorm: out[r] = w * round(x[r] / sqrt(mean(x[r]^2) + eps)) ---- */
 
-#define RMS_SCALE(LOAD, x, E)                                                          \
-    __m512 acc = _mm512_setzero_ps();                                                  \
-    for (long k = 0; k < (E); k += 16) {                                               \
-        __m512 v = LOAD((x) + k, lanes((E) - k));                                      \
-        acc = _mm512_fmadd_ps(v, v, acc);                                              \
-    }                                                                                  \
-    float scale = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(_mm512_reduce_add_ps(acc) / (float)(E) + eps)));
-
-TARGET_BF16 void astrai_rms_norm_bf16(const uint16_t *x, long rows, long E, long stride, const uint16_t *w, float eps,
-                                      uint16_t *out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * stride;
-        RMS_SCALE(load_bf16, xr, E)
-        __m512 s = _mm512_set1_ps(scale);
-        for (long k = 0; k < E; k += 16) {
-            __mmask16 m = lanes(E - k);
-            __m512 h = round_bf16(_mm512_mul_ps(load_bf16(xr + k, m), s));
-            store_bf16(out + r * E + k, _mm512_mul_ps(load_bf16(w + k, m), h), m);
-        }
-    }
-}
-
 INLINE TARGET_F32 __m512 load_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+INLINE TARGET_F32 void store_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+INLINE TARGET_F32 __m512 same(__m512 v) { return v; }
 
-TARGET_F32 void astrai_rms_norm_f32(const float *x, long rows, long E, long stride, const float *w, float eps,
-                                    float *out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < rows; r++) {
-        const float *xr = x + r * stride;
-        RMS_SCALE(load_f32, xr, E)
-        __m512 s = _mm512_set1_ps(scale);
-        for (long k = 0; k < E; k += 16) {
-            __mmask16 m = lanes(E - k);
-            __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + k), s);
-            _mm512_mask_storeu_ps(out + r * E + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + k), h));
-        }
+/* ROUND: to the dtype and back (bf16), or nothing (fp32) */
+#define DEFINE_RMS_NORM(NAME, TARGET, T_, LOAD, ROUND, STORE)                                                      \
+    TARGET void NAME(const T_ *x, long rows, long E, long stride, const T_ *w, float eps, T_ *out, int threads) { \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (long r = 0; r < rows; r++) {       \
+            const T_ *xr = x + r * stride;                                                                         \
+            __m512 acc = _mm512_setzero_ps();                                                                      \
+            for (long k = 0; k < E; k += 16) {                                                                     \
+                __m512 v = LOAD(xr + k, lanes(E - k));                                                             \
+                acc = _mm512_fmadd_ps(v, v, acc);                                                                  \
+            }                                                                                                      \
+            float mean = _mm512_reduce_add_ps(acc) / (float)E + eps;                                               \
+            __m512 s = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean))));                        \
+            for (long k = 0; k < E; k += 16) {                                                                     \
+                __mmask16 m = lanes(E - k);                                                                        \
+                __m512 h = ROUND(_mm512_mul_ps(LOAD(xr + k, m), s));                                               \
+                STORE(out + r * E + k, _mm512_mul_ps(LOAD(w + k, m), h), m);                                       \
+            }                                                                                                      \
+        }                                                                                                          \
     }
-}
+
+DEFINE_RMS_NORM(astrai_rms_norm_bf16, TARGET_BF16, uint16_t, load_bf16, round_bf16, store_bf16)
+DEFINE_RMS_NORM(astrai_rms_norm_f32, TARGET_F32, float, load_f32, same, store_f32)
 
 /* ---- SiLU(gate) * up ---- */
 
-/* e^x in fp32: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by Cephes' degree-6 polynomial, times 2^n */
+/* e^x in fp32 (`cephes_exp_ps`), x bounded to [-100, 100] first: e^+-100 is inf / 0 in fp32 either way */
 INLINE TARGET_F32 __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(100.0f)); /* e^+-100: inf / 0 */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    return cephes_exp_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(100.0f)));
 }
 
 INLINE TARGET_F32 __m512 silu_ps(__m512 g) {
@@ -164,8 +141,6 @@ TARGET_F32 void astrai_silu_mul_f32(const float *gate, long gate_stride, const f
         }                                                                                                             \
         return 0;                                                                                                     \
     }
-
-INLINE TARGET_F32 void store_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 
 DEFINE_ROTARY_KV_STORE(astrai_rotary_kv_store_bf16, TARGET_BF16, uint16_t, load_bf16, store_bf16)
 DEFINE_ROTARY_KV_STORE(astrai_rotary_kv_store_f32, TARGET_F32, float, load_f32, store_f32)
