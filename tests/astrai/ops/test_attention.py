@@ -99,15 +99,21 @@ def test_pages_needed_rounds_up():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("page_size", "window"), [(16, 0), (1, 5)])
-def test_mixed_step_tokens_take_the_cpu_kernel(compiled, dtype, page_size, window):
-    """A mixed step (prefilling requests and several one-token ones) equals the oracle, and all its tokens ran in one
-    call of the CPU decode kernel per step, each token one query over the keys it may see (the padding row stays
-    zero)."""
+@pytest.mark.parametrize("longest", [None, 4], ids=["short", "split"])
+def test_mixed_step_tokens_take_the_cpu_kernel(compiled, dtype, page_size, window, longest, monkeypatch):
+    """A mixed step (prefilling requests and several one-token ones) equals the oracle, and the tokens of its requests
+    of at most `PER_TOKEN_MAX_NEW` new tokens ran in one call of the CPU decode kernel, each token one query over the
+    keys it may see (the padding row stays zero); fp32 sends only its decoding rows there by default. With the bound
+    at 4 ("split") the 9-token prompt takes the reference's SDPA instead and the call holds the other six tokens."""
     from astrai.cpu_kernels import decode_attention as cpu_attention
+    from astrai.ops import attention as ops_attention
 
     probe = (torch.empty(1, 8, 32, dtype=dtype), torch.empty(16, 2, 32, dtype=dtype))
     if not cpu_attention.supports(*probe):
         pytest.skip(f"no CPU decode kernel here: {cpu_attention.unavailable_reason(*probe)}")
+    longest = 1 if longest is None and dtype == torch.float32 else longest  # fp32: the decoding rows only
+    if longest is not None:
+        monkeypatch.setitem(ops_attention.PER_TOKEN_MAX_NEW, dtype, longest)
     lengths, new = [40, 9, 17, 6, 3], [1, 9, 1, 1, 3]  # three decoding rows, a fresh prompt, a prefix hit
     k_cache, v_cache, table = _pool(lengths, page_size, 2, 32, seed=3)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
@@ -121,7 +127,8 @@ def test_mixed_step_tokens_take_the_cpu_kernel(compiled, dtype, page_size, windo
         out = fn(q, k_cache, v_cache, meta, scale=32**-0.5, window=window)
     finally:
         kernels[dtype] = kernel
-    assert calls == [sum(new)]  # every owned token in one call (the padding row is not one)
+    short = [n for n in new if longest is None or n <= longest]
+    assert calls == [sum(short)]  # the short requests' tokens in one call (the padding row is not one)
     expected = _oracle(q.float(), k_cache.float(), v_cache.float(), lengths, new, table, page_size, 32**-0.5, window)
     assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert out[-1].eq(0).all() and out.dtype == dtype
