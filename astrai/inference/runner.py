@@ -260,8 +260,8 @@ class ModelRunner:
         """The fewest tokens and sampled rows of a compiled prefill step: `PREFILL_MIN_ROWS`, past the few-row
         branches of `ops.linear`; on CPU past its AMX branch too (bf16 products of up to `AMX_MAX_ROWS` rows), so
         that a prefill step of any size matches the one graph compiled at start."""
-        amx = self.device.type == "cpu" and kernel_rows(self.model.dtype) > MAX_REDUCE_ROWS
-        return max(PREFILL_MIN_ROWS, kernel_rows(self.model.dtype) + 1) if amx else PREFILL_MIN_ROWS
+        rows = kernel_rows(self.model.dtype)
+        return rows + 1 if self.device.type == "cpu" and rows > MAX_REDUCE_ROWS else PREFILL_MIN_ROWS
 
     def decode_warm_sizes(self) -> list[int]:
         """Decode batch sizes that cover every graph the compiled CPU decode step can specialise: 1 (Dynamo's
@@ -353,14 +353,15 @@ class ModelRunner:
             tokens, meta = self._host_meta(plan, decode=True, rows=n, width=self._width(plan), previous=previous)
             return StepInputs("decode", tokens, meta, n)
         requests = len(plan)
+        min_rows = self.prefill_min_rows() if self.compiled_prefill is not None else 0
         if self.compiled_prefill is not None:
-            requests += prefill_padding(len(plan), sum(item.num_new for item in plan), self.prefill_min_rows())
+            requests += prefill_padding(len(plan), sum(item.num_new for item in plan), min_rows)
         tokens, meta = self._host_meta(plan, decode=False, rows=requests, width=self._width(plan), previous=previous)
         last = logits_rows(meta).tolist()  # each sequence's last token; a speculating one samples k rows before it
         rows = torch.tensor([r for i in sampling for r in range(last[i] - len(plan[i].draft), last[i] + 1)],
                             dtype=torch.long)  # fmt: skip
-        if self.compiled_prefill is not None and len(rows) < self.prefill_min_rows():
-            rows = torch.cat([rows, rows.new_zeros(self.prefill_min_rows() - len(rows))])  # dropped after the forward
+        if len(rows) < min_rows:
+            rows = torch.cat([rows, rows.new_zeros(min_rows - len(rows))])  # dropped after the forward
         return StepInputs("prefill", tokens, meta, rows)
 
     def run(self, step: StepInputs) -> Tensor:
