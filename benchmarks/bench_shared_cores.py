@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     workers = {}
     for arm in args.arms:
-        fixed = [] if arm.endswith(":fixed") else ["--share-cores"]
+        fixed = ["--fixed-threads"] if arm.endswith(":fixed") else []
         with console.status(f"starting astrai: {arm}"):
             argv = ["astrai", str(folder), "--dtype", args.dtype, "--threads", str(args.threads), *fixed]
             workers[arm] = Worker(f"astrai {arm}", sys.executable, argv, env_of(arm, args.threads))

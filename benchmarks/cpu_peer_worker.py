@@ -12,7 +12,7 @@ per line on stdout, so the rounds can alternate between engines without paying a
 server, runs them one after another), greedy, exactly `new` tokens each (end-of-sequence ignored), and times the
 whole call: prompt, decode and the engine's per-call overhead, on the path a user of that engine takes.
 
-    python cpu_peer_worker.py astrai FOLDER --dtype float32|bfloat16 [--quantize int8] --threads 2 [--share-cores]
+    python cpu_peer_worker.py astrai FOLDER --dtype float32|bfloat16 [--quantize int8] --threads 2 [--fixed-threads]
     python cpu_peer_worker.py llama FILE.gguf --threads 2 --max-len 256 [--no-extra-buffers]
     python cpu_peer_worker.py vllm FOLDER --dtype float32|bfloat16 --max-len 256   (threads: VLLM_CPU_OMP_THREADS_BIND)
 """
@@ -29,13 +29,14 @@ import time
 class AstraiEngine:
     """`astrai.generate_ids`: the notebook path (one cached, compiled engine per model)."""
 
-    def __init__(self, folder: str, dtype: str, quantize: str | None, threads: int, share_cores: bool) -> None:
+    def __init__(self, folder: str, dtype: str, quantize: str | None, threads: int, fixed_threads: bool) -> None:
         import torch
 
         import astrai
         from astrai.inference import engine_cache
 
-        engine_cache.SHARE_CPU_CORES = share_cores
+        if fixed_threads:
+            engine_cache.SHARE_CPU_CORES = False
         torch.set_num_threads(threads)
         self.astrai = astrai
         self.model = astrai.load(folder, dtype=dtype, quantize=quantize)
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-len", type=int, default=512, help="longest prompt + output (context size)")
     parser.add_argument(
-        "--share-cores",
+        "--fixed-threads",
         action="store_true",
-        help="astrai: EngineConfig(share_cpu_cores=True), steps on the cores other programs leave",
+        help="astrai: EngineConfig(share_cpu_cores=False), steps on every thread even beside a busy program",
     )
     parser.add_argument(
         "--no-extra-buffers",
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     if args.kind == "astrai":
-        engine = AstraiEngine(args.path, args.dtype, args.quantize, args.threads, args.share_cores)
+        engine = AstraiEngine(args.path, args.dtype, args.quantize, args.threads, args.fixed_threads)
     elif args.kind == "llama":
         engine = LlamaEngine(args.path, args.threads, args.max_len, not args.no_extra_buffers)
     else:

@@ -10,6 +10,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Triton 3.9 warns on the first GPU compile when this is unset; filterwarnings=error would turn that into a failure.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Engines keep every thread whatever else runs (`EngineConfig.share_cpu_cores` off), so that a test's bits do not
+# depend on the load of the box that runs it; the tests of that option turn it on (tests/astrai/inference).
+os.environ.setdefault("ASTRAI_SHARE_CPU_CORES", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,7 @@ from astrai.cli._common import (
     served_names,
 )
 from astrai.cli.serve_start import prepare_grammar, warm_up
-from astrai.openmp import release_idle_threads
+from astrai.openmp import release_idle_threads, share_cpu_cores_default
 
 if TYPE_CHECKING:
     from astrai.inference.engine import Engine, EngineConfig
@@ -86,9 +86,9 @@ class ServeConfig(ModelArgs):
     """Tokens per KV page."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (radix tree)."""
-    share_cpu_cores: bool = False
-    """CPU: run the steps on the cores other programs leave (`EngineConfig.share_cpu_cores`); the warm-up then
-    compiles the steps at every thread count it may pick, so no request waits on that compile."""
+    share_cpu_cores: bool = attrs.field(factory=share_cpu_cores_default)
+    """CPU: run the steps on the cores other programs leave (`EngineConfig.share_cpu_cores`; on unless
+    `ASTRAI_SHARE_CPU_CORES=0`); one compile serves every thread count it picks (`astrai.inference.thread_count`)."""
     generation_config: str = "auto"
     """Sampling defaults for requests that leave a field unset (temperature, top_p, top_k, min_p, ...).
     auto: the model's generation_config.json; none or vllm: no defaults; a folder: its generation_config.json."""

@@ -1,8 +1,8 @@
 """What `astrai serve` does to an engine before it prints `serving`: the grammar view, and every compile.
 
 DESIGN fact F9: no request waits on a compile after `serving`. The warm-up compiles the decode step's batch sizes
-and the sampler's variants (`ModelRunner.warm_up`), a draft model's too, and with `--share-cpu-cores` all of it
-again at each lower thread count, since Dynamo's global-state guard includes `torch.get_num_threads()`.
+and the sampler's variants (`ModelRunner.warm_up`), and a draft model's too. One compile serves every thread count
+`EngineConfig.share_cpu_cores` may pick (`astrai.inference.thread_count`).
 """
 
 from __future__ import annotations
@@ -25,28 +25,17 @@ def prepare_grammar(engine: Engine) -> None:
 
 
 def warm_up(engine: Engine) -> None:
-    """Compile every decode batch-size graph and sampler variant now (`ModelRunner.warm_up`), at every thread count
-    the engine may run (`EngineConfig.share_cpu_cores`: 1..its count; else its count). Nothing to do without
-    `--compile`."""
-    import torch  # lazily, as the rest of the CLI: `astrai --help` loads no torch
-
+    """Compile every decode batch-size graph and sampler variant now (`ModelRunner.warm_up`), a draft model's too.
+    Nothing to do without `--compile`."""
     runner_warm_up = getattr(engine.runner, "warm_up", None)
     if runner_warm_up is None or not engine.config.compile:
         return
-    threads = torch.get_num_threads()
-    counts = range(engine.cores.threads, 0, -1) if engine.cores is not None else [threads]
-    start, reports = time.perf_counter(), []
-    try:
-        with console.status("compiling the decode step's batch sizes and the sampler's variants"):
-            for count in counts:
-                torch.set_num_threads(count)
-                reports.append(runner_warm_up())
-                if engine.draft is not None:  # speculative decoding's draft model: its steps too
-                    engine.draft.warm_up()
-    finally:
-        torch.set_num_threads(threads)
-    done = reports[0]  # the engine's own count; the others compile the same graphs again
+    start = time.perf_counter()
+    with console.status("compiling the decode step's batch sizes and the sampler's variants"):
+        done = runner_warm_up()
+        if engine.draft is not None:  # speculative decoding's draft model: its steps too
+            engine.draft.warm_up()
     steps, sampler = done["seconds"]
     console.print(f"compiled before serving ({time.perf_counter() - start:.1f} s): decode batch sizes "
                   f"{done['decode'] or 'none (CUDA graphs or eager)'} ({steps:.1f} s), sampler variants "
-                  f"{done['sampler']} ({sampler:.1f} s), thread counts {list(counts)}", highlight=False)  # fmt: skip
+                  f"{done['sampler']} ({sampler:.1f} s)", highlight=False)  # fmt: skip

@@ -18,9 +18,10 @@ inductor's compiled loops use the runtime count when they were compiled for all 
 its `generate` call); the next step applies the decision again.
 
 Off where it cannot help or would misread: off Linux, with one thread, and for tensor-parallel engines (their
-ranks are other processes, which would count as the competition). Opt-in (`EngineConfig(share_cpu_cores=True)`):
-Dynamo guards compiled functions on the thread count, so the first steps at a new count recompile the decode step
-and the sampler, a stall of seconds that a server must not take after `serving`.
+ranks are other processes, which would count as the competition). On by default: the compiled steps and sampler
+run at any count up to the starting one without recompiling (`astrai.inference.thread_count`); until that existed
+Dynamo's guard on the thread count recompiled them at each new count, and the option was opt-in.
+`ASTRAI_SHARE_CPU_CORES=0` makes the default off (the test suite does, for run-to-run identical bits).
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ class SharedCores:
         after an idle gap (a new `generate` call, a server's first request in a while), opens a fresh window of
         `first_s`, since a gap's average says what others did while this engine had no work; later windows last
         `interval_s`. Each window's end decides the count; the stepping thread then runs the decided one (after a
-        `restore`, the last decision until the first window ends)."""
+        `restore`, the last decision until the first window ends, unless a gap came between: then the full count,
+        since what others did before the gap says little about now)."""
         now_s = time.monotonic()
         if self._last is None or now_s - self._ended_s > self.interval_s:
             self._last, self._window_s = self._read(), self.first_s
+            self.current = self.threads  # a decision from before the gap is stale: the full count until measured
         elif now_s - self._last.wall_s >= self._window_s and (now := self._read()) is not None:
             want = min(self.threads, max(1, int(self.cpus - self.others(now) + 0.5)))
             self._last, self._window_s = now, self.interval_s

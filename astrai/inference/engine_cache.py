@@ -47,9 +47,9 @@ PAGE_SIZE = 16
 MIN_KV_TOKENS = 1024  # the smallest pool a cached engine gets (a few MiB for small models)
 COMPILE = True
 """Compile the decode step of cached engines (tests set False for speed; measured on CPU in docs/benchmarks.md)."""
-SHARE_CPU_CORES = False
-"""`EngineConfig.share_cpu_cores` of cached engines (off by default, as in `EngineConfig`; bench_shared_cores and
-bench_cpu_peers' workers turn it on for their arms)."""
+SHARE_CPU_CORES: bool | None = None
+"""`EngineConfig.share_cpu_cores` of cached engines; None: `EngineConfig`'s default (on; bench_shared_cores' and
+bench_cpu_peers' workers turn it off for their fixed-thread arms)."""
 COMPILING = "compiling the decode step (first call only)…"
 
 _console = Console(stderr=True)
@@ -84,9 +84,10 @@ def _config(kv_tokens: int, rows: int, *, compile: bool, speculative: Speculativ
             loras: tuple[int, int] = (0, 0)) -> EngineConfig:  # fmt: skip
     """An engine config; `loras` (slots, rank): multi-LoRA serving when slots > 0."""
     lora = dict(enable_lora=True, max_loras=loras[0], max_lora_rank=loras[1]) if loras[0] else {}
+    shared = {} if SHARE_CPU_CORES is None else {"share_cpu_cores": SHARE_CPU_CORES}
     return EngineConfig(page_size=PAGE_SIZE, kv_budget_tokens=kv_tokens, max_running=rows,
                         max_step_tokens=max(2048, rows), compile=compile, background=False,
-                        speculative=speculative, share_cpu_cores=SHARE_CPU_CORES, **lora)  # fmt: skip
+                        speculative=speculative, **shared, **lora)  # fmt: skip
 
 
 def _lora_need(folders: Sequence[str | None] | None, old: EngineConfig | None) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from astrai.inference.speculative import SpeculativeConfig
+from astrai.openmp import share_cpu_cores_default
 
 
 def _speculative(value: Any) -> SpeculativeConfig | None:
@@ -98,11 +99,13 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     """Adapters whose weights stay in host memory (vLLM's `--max-cpu-loras`; None: max_loras); others are read
     again from their folders when a request names them."""
-    share_cpu_cores: bool = False
+    share_cpu_cores: bool = attrs.field(factory=share_cpu_cores_default)
     """CPU: while other programs keep cores busy, run the steps on the cores they leave (measured from /proc;
     Linux, two threads or more, no tensor parallel): a descheduled step thread stalls every OpenMP barrier
-    (docs/inference.md, "CPU: cores shared with other programs"). Off by default: the first steps at a new thread
-    count recompile the compiled steps (Dynamo guards on the thread count), a stall of seconds mid-request."""
+    (docs/inference.md, "CPU: cores shared with other programs"). On by default (`ASTRAI_SHARE_CPU_CORES=0` turns
+    the default off); one compile serves every thread count (`astrai.inference.thread_count`). A lower count can
+    change the last bits of some products (oneDNN's), so a greedy near-tie may resolve differently under load: off
+    for bit-reproducible runs on a shared machine."""
     background: bool = True
     """Run the scheduler loop on a background thread (streams to other threads, asyncio, the server). False:
     the thread that waits (generate, run_batch, result, stream) runs the steps itself, like vLLM's offline

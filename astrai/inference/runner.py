@@ -25,7 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
 from astrai.inference.steer import guarded_steering
 from astrai.inference.step import SERVED_STEP_OPTIONS, LoRARows, compile_step, decode_step, prefill_step
+from astrai.inference.thread_count import THREAD_FREE_STEP_OPTIONS, AnyThreadCount
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.nn.lora_slots import slot_linears
@@ -198,13 +199,22 @@ class ModelRunner:
         # capture it once per batch bucket
         # without guards on the parameters (~0.6 ms per call; set_model checks a new tree against the served one)
         # nor the wrapper's size asserts (~0.25 ms): `step.SERVED_STEP_OPTIONS`
-        unguarded = {"options": SERVED_STEP_OPTIONS}
+        # on CPU nor the global-state guard, whose thread count `EngineConfig.share_cpu_cores` lowers under
+        # contention: `thread_count.AnyThreadCount` runs one compile at every count up to the starting one
+        cpu = self.device.type == "cpu"
+        unguarded = {"options": THREAD_FREE_STEP_OPTIONS if cpu else SERVED_STEP_OPTIONS}
         self.compiled_decode = compile_step(decode_step, cfg=self.cfg, **unguarded) if compile_steps else None
         auto_prefill = compile_prefill is None  # the default: on CUDA, unless it fails its start check
         if compile_prefill is None:  # on CPU the compiled prefill measured no faster and takes long to compile
             compile_prefill = fast_paths.on_gpu(self.device)
         compile_prefill = compile_steps and compile_prefill
         self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg, **unguarded) if compile_prefill else None
+        if cpu:
+            threads = torch.get_num_threads()
+            if self.compiled_decode is not None:
+                self.compiled_decode = AnyThreadCount(self.compiled_decode, self._eager_decode, threads)
+            if self.compiled_prefill is not None:
+                self.compiled_prefill = AnyThreadCount(self.compiled_prefill, self._eager_prefill, threads)
         self._sampler = SamplerVariants(compiled=compile)  # a fixed set of compiled variants (sampler_variants)
         if self.compiled_prefill is not None:  # warmed up; the default is checked on CUDA, eager if it fails
             self.compiled_prefill = fast_paths.warm_prefill(self, check=auto_prefill)
@@ -376,15 +386,21 @@ class ModelRunner:
             if self.compiled_decode is not None:
                 _mark_dynamic(tokens, meta, lora)
                 return self.compiled_decode(self.model.params, tokens, meta, self.cache, lora=lora)
-            with inference_kernels():  # eager: RMSNorm and SiLU * up in one CPU pass each (`ops.pointwise`)
-                return self.eager_decode(self.model.params, tokens, meta, self.cache, lora=lora)
+            return self._eager_decode(self.model.params, tokens, meta, self.cache, lora=lora)
         rows = upload(step.rows, self.device)
         if self.compiled_prefill is not None:
             _mark_dynamic(tokens, meta, lora)
             torch._dynamo.maybe_mark_dynamic(rows, 0)
             return self.compiled_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
+        return self._eager_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
+
+    def _eager_decode(self, *args: Any, **kwargs: Any) -> Tensor:
+        with inference_kernels():  # eager: RMSNorm and SiLU * up in one CPU pass each (`ops.pointwise`)
+            return self.eager_decode(*args, **kwargs)
+
+    def _eager_prefill(self, *args: Any, **kwargs: Any) -> Tensor:
         with inference_kernels():
-            return self.eager_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
+            return self.eager_prefill(*args, **kwargs)
 
     @torch.inference_mode()
     def execute(self, plan: Sequence[ScheduledSeq], *, vocab_size: int) -> dict[int, SampledToken]:

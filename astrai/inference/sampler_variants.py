@@ -33,6 +33,7 @@ from torch import Tensor
 from astrai.inference.params import SamplingParams
 from astrai.inference.sampler import SampleOutput, raw_logprobs, sample
 from astrai.inference.sampling_batch import SamplingBatch, general_batch, make_sampling_batch, pad_rows
+from astrai.inference.thread_count import AnyThreadCount, without_global_state
 from astrai.tree import replace
 
 VARIANTS = ("greedy", "sample", "sample+sort", "general")
@@ -52,7 +53,8 @@ def compiled_draw():
     global _compiled
     with _lock:
         if _compiled is None:
-            _compiled = torch.compile(_draw, dynamic=True)
+            # without Dynamo's global-state guard: `SamplerVariants` calls it through `thread_count.AnyThreadCount`
+            _compiled = torch.compile(_draw, dynamic=True, options={"guard_filter_fn": without_global_state})
         return _compiled
 
 
@@ -72,7 +74,8 @@ class SamplerVariants:
 
     def __init__(self, *, compiled: bool) -> None:
         self.compiled = compiled
-        self.draw = compiled_draw() if compiled else _draw
+        # one compile serves every thread count `EngineConfig.share_cpu_cores` picks (`thread_count`)
+        self.draw = AnyThreadCount(compiled_draw(), _draw, torch.get_num_threads()) if compiled else _draw
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, *, top_logprobs: int = 0,
                  want_logprobs: bool = False) -> SampleOutput:  # fmt: skip

@@ -52,12 +52,22 @@ def test_the_thread_count_follows_the_cores_others_leave_and_restores():
     step()  # ... and the next call's first step runs the decided count again, before any new reading
     assert calls[-1] == 1 and cores.applied == 1
     cores._read, machine.others = read, 0.0
-    cores._ended_s -= 100.0  # an idle gap: what others did meanwhile is not judged, a fresh window opens
-    cores.before_step()
-    assert cores.current == 1 and cores._window_s == cores.first_s
+    cores._ended_s -= 100.0  # an idle gap: what others did meanwhile is not judged, a fresh window opens, and
+    cores.before_step()  # the steps run on every thread until it ends (the decision from before is stale)
+    assert cores.current == 2 and calls[-1] == 2 and cores._window_s == cores.first_s
     # the measure itself: 150 busy ticks of the machine over a second, 50 of them this process's, is one CPU
     cores._last = CpuTimes(0.0, 0, 0)
     assert cores.others(CpuTimes(1.0, int(1.5 * TICKS_PER_S), int(0.5 * TICKS_PER_S))) == pytest.approx(1.0)
+
+
+def test_on_by_default_unless_the_environment_says_0(monkeypatch):
+    from astrai.inference.engine_config import EngineConfig
+
+    monkeypatch.delenv("ASTRAI_SHARE_CPU_CORES")  # the suite sets it to 0 (tests/conftest.py)
+    assert EngineConfig().share_cpu_cores is True
+    monkeypatch.setenv("ASTRAI_SHARE_CPU_CORES", "0")
+    assert EngineConfig().share_cpu_cores is False
+    assert EngineConfig(share_cpu_cores=True).share_cpu_cores is True
 
 
 def test_readings_come_from_proc_and_the_monitor_is_off_where_it_cannot_help():
@@ -79,7 +89,7 @@ def test_readings_come_from_proc_and_the_monitor_is_off_where_it_cannot_help():
 
 def test_generate_steps_on_fewer_threads_under_load_and_gives_the_count_back(tmp_path, monkeypatch):
     """Through `astrai.generate_ids`: the steps run on one thread while the (fake) machine is busy, and the caller's
-    thread has its count again after the call; with the option off (the default), the steps keep both threads."""
+    thread has its count again after the call; with the option off, the steps keep both threads."""
     machine = FakeMachine()
     machine.others = 1.0
     monkeypatch.setattr(cpu_share, "read_cpu_times", machine.read)
@@ -92,7 +102,8 @@ def test_generate_steps_on_fewer_threads_under_load_and_gives_the_count_back(tmp
 
     monkeypatch.setattr(engine_cache.Engine, "_run_step", spy)
     monkeypatch.setattr(SharedCores, "__init__", _fast_init)
-    monkeypatch.setattr(engine_cache, "SHARE_CPU_CORES", True)  # EngineConfig(share_cpu_cores=True): opt-in
+    monkeypatch.setattr(engine_cache, "SHARE_CPU_CORES", None)  # EngineConfig's default (the suite sets it off)
+    monkeypatch.setenv("ASTRAI_SHARE_CPU_CORES", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

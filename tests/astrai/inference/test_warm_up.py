@@ -121,27 +121,32 @@ def test_no_request_compiles_after_warm_up(model):
     assert moved["second"] > 0 and moved["n=2"] > 0 and moved["penalties"] > 0, moved
 
 
-@pytest.mark.slow  # the warm-up twice (two thread counts): minutes on a loaded 2-core box
-def test_serve_share_cpu_cores_warms_every_thread_count_it_may_pick(model, monkeypatch):
-    """`astrai serve --share-cpu-cores`: Dynamo guards on the thread count, so the warm-up runs at each count; a
-    request on one thread then compiles nothing. Negative control: the plain warm-up leaves one thread to compile."""
+@pytest.mark.slow  # two engines' compiles: a minute on a loaded 2-core box
+def test_a_request_on_fewer_threads_compiles_nothing_after_the_warm_up(model):
+    """`EngineConfig.share_cpu_cores` lowers the thread count beside a busy program: after `astrai serve`'s one
+    warm-up at two threads, a request at one thread compiles nothing (`thread_count.AnyThreadCount`; Dynamo's own
+    guard would recompile the decode step and the sampler at the new count), and the decode step runs at one thread.
+    Negative control: without the warm-up the counter moves (what compiles then compiles at two threads)."""
     from astrai.cli import serve_start
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for share, compiles in ((True, False), (False, True)):
+        for warm in (True, False):
+            torch._dynamo.reset()
             with Engine(model, EngineConfig(compile=True, background=False, kv_budget_tokens=512,
                                             share_cpu_cores=True)) as engine:  # fmt: skip
                 assert engine.cores is not None
-                if share:
+                if warm:
                     serve_start.warm_up(engine)
-                else:
-                    engine.runner.warm_up()
                 torch.set_num_threads(1)  # what the monitor sets beside a busy process
-                before = counters["stats"]["unique_graphs"]
+                before, runs = counters["stats"]["unique_graphs"], []
+                step = engine.runner.compiled_decode  # `thread_count.AnyThreadCount`
+                compiled = step.compiled
+                step.compiled = lambda *a, **k: (runs.append(torch.get_num_threads()), compiled(*a, **k))[1]
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
-                assert (counters["stats"]["unique_graphs"] > before) == compiles
+                assert (counters["stats"]["unique_graphs"] > before) == (not warm)
+                assert set(runs) == ({1} if warm else {1, 2}), runs  # cold: refused at one thread, run at two
                 torch.set_num_threads(2)
     finally:
         torch.set_num_threads(threads)
