@@ -406,8 +406,9 @@ def weight_bytes(folder: Path) -> dict[tuple[str, str], int]:
 def summarize(samples: list[dict], nbytes: dict) -> list[dict]:
     """One row per (workload, weights, requests, engine): median tok/s with min-max, the roofline fraction of
     quiet workloads (steps per second, tok/s over requests, x the bytes a step reads / the round's bandwidth: a
-    batch's whole call counts its prefill too, and its products are compute-bound past a few rows), agreement with astrai fp32's greedy tokens, astrai's ratio to each peer (round by round), and
-    under `(contended)` the fraction of the same engine's quiet rate in the same round."""
+    batch's whole call counts its prefill too, and its products are compute-bound past a few rows), agreement
+    with astrai fp32's greedy tokens, astrai's ratio to each peer (round by round), and under `(contended)` the
+    fraction of the same engine's quiet rate in the same round."""
     by_key: dict[tuple, list[dict]] = {}
     for s in samples:
         by_key.setdefault((s["workload"], s["weights"], s["requests"], s["engine"]), []).append(s)

@@ -7,6 +7,7 @@ requests on an engine that skipped the warm-up, where the counter moves. The fas
 mapping onto its few compiled variants to the draws of the unmapped batch (eager, no compile).
 """
 
+import functools
 import json
 
 import pytest
@@ -142,11 +143,16 @@ def test_a_request_on_fewer_threads_compiles_nothing_after_the_warm_up(model):
                 torch.set_num_threads(1)  # what the monitor sets beside a busy process
                 before, runs = counters["stats"]["unique_graphs"], []
                 step = engine.runner.compiled_decode  # `thread_count.AnyThreadCount`
-                compiled = step.compiled
-                step.compiled = lambda *a, **k: (runs.append(torch.get_num_threads()), compiled(*a, **k))[1]
+                step.compiled = functools.partial(_counting, runs, step.compiled)
                 engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
                 assert (counters["stats"]["unique_graphs"] > before) == (not warm)
                 assert set(runs) == ({1} if warm else {1, 2}), runs  # cold: refused at one thread, run at two
                 torch.set_num_threads(2)
     finally:
         torch.set_num_threads(threads)
+
+
+def _counting(runs: list[int], fn, *args, **kwargs):
+    """`fn`, noting the torch thread count it runs at."""
+    runs.append(torch.get_num_threads())
+    return fn(*args, **kwargs)
