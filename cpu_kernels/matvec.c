@@ -177,7 +177,7 @@ INLINE TARGET_BF16 void dot_i8_bf16(const uint16_t *x, const int8_t *w, long K, 
     }
 
 DEFINE_MATVEC(astrai_matvec_bf16_rows, TARGET_BF16, uint16_t, uint16_t, dot_bf16)
-DEFINE_MATVEC(astrai_matvec_f32, TARGET_F32, float, float, dot_f32)
+DEFINE_MATVEC(astrai_matvec_f32_rows, TARGET_F32, float, float, dot_f32)
 DEFINE_MATVEC(astrai_matvec_i8_bf16, TARGET_BF16, uint16_t, int8_t, dot_i8_bf16)
 static DEFINE_MATVEC(matvec_i8_f32_rows, TARGET_F32, float, int8_t, dot_i8_f32)
 
@@ -217,4 +217,18 @@ void astrai_matvec_bf16(const uint16_t *x, long M, long K, const uint16_t *const
                         float *y, int threads) {
     if (M < AMX_MIN_ROWS || astrai_amx_bf16(x, M, K, ws, ns, count, y, threads) != 0)
         astrai_matvec_bf16_rows(x, M, K, ws, ns, count, y, threads);
+}
+
+/* fp32 from GEMM_F32_MIN_ROWS rows: gemm_f32.c's blocked kernel (weight rows in L1 against blocks of x rows); it
+ * returns -1 without its buffers, and the row kernel runs instead. Over SmolLM2-135M's 121 projections on the 2-core
+ * Xeon (ad hoc ctypes pass, median of 7, ms), row kernel against the blocked one: see gemm_f32.c and
+ * docs/kernels.md, "CPU fp32 batched products". */
+#define GEMM_F32_MIN_ROWS 3
+int astrai_gemm_f32(const float *x, long M, long K, const float *const *ws, const long *ns, long count, float *y,
+                    int threads);
+
+void astrai_matvec_f32(const float *x, long M, long K, const float *const *ws, const long *ns, long count, float *y,
+                       int threads) {
+    if (M < GEMM_F32_MIN_ROWS || astrai_gemm_f32(x, M, K, ws, ns, count, y, threads) != 0)
+        astrai_matvec_f32_rows(x, M, K, ws, ns, count, y, threads);
 }

@@ -32,12 +32,19 @@ decode, call the same kernel, which runs them on AMX tiles (`cpu_kernels/amx.c`,
 GEMM per product but ~80 us cheaper per call, so a 16-row SmolLM2-135M decode step took 22 ms against 27 through
 oneDNN on the 2-core Xeon (32 rows 31 vs 35; equal at 48 and 64). `ASTRAI_CPU_AMX=0` turns the tiles off.
 
-Many-row CPU products (batched decode, prefill) go through `astrai.ops.packed_linear`: oneDNN with weights
-pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. fp32 takes it from 4 rows (`REDUCE_ROWS`),
-where the packed GEMM beat the kernel by 1.3-1.5x over a whole step; weights nobody packed take the matvec kernel
-there (up to 8 rows) and `F.linear` above, and so does anything that needs a gradient or runs under autocast (the
-op has neither). Small weights (`SMALL_WEIGHT_BYTES`, a tiny model's) keep inductor's loop up to 8 rows in any
-dtype, without the kernel: an opaque call costs them more than their product.
+Compiled fp32 products of 4 to `F32_KERNEL_MAX_ROWS` (32) rows, batched decode, call the same kernel too, which runs
+them through its blocked form (`cpu_kernels/gemm_f32.c`: 4 weight rows kept in L1 against blocks of 6 x rows):
+0.64-0.87x the time of oneDNN's packed GEMM per product on the 2-core Xeon, and a 16-request SmolLM2-135M
+`generate_ids` call 1.13-1.18x faster (docs/kernels.md, "CPU fp32 batched products"). Not measured on the AMD box,
+where the row kernel had lost to the packs at these rows.
+
+Many-row CPU products (prefill, and batched decode past the kernels' bounds) go through `astrai.ops.packed_linear`:
+oneDNN with weights pre-packed by the engine, 1.15-2x MKL's sgemm on the AMD development box. fp32 takes it from 4
+rows (`REDUCE_ROWS`) where no kernel runs (eager steps; before the blocked kernel the packed GEMM beat the row kernel
+by 1.3-1.5x over a whole step); weights nobody packed take the matvec kernel there (up to 8 rows) and `F.linear`
+above, and so does anything that needs a gradient or runs under autocast (the op has neither). Small weights
+(`SMALL_WEIGHT_BYTES`, a tiny model's) keep inductor's loop up to 8 rows in any dtype, without the kernel: an opaque
+call costs them more than their product.
 """
 
 from __future__ import annotations
@@ -94,6 +101,11 @@ INT8_EAGER_MAX_ROWS = {torch.bfloat16: 24}
 # weight as fast as oneDNN does, and the call costs ~2 us through the C++ op against ~80 us for the pack's (torch's
 # oneDNN wrapper and the Python op).
 AMX_MAX_ROWS = 64
+# fp32 products of more than REDUCE_ROWS and up to this many rows, compiled, take the kernel too (its blocked form,
+# `cpu_kernels/gemm_f32.c`) instead of oneDNN's packed GEMM. Over SmolLM2-135M's 121 projections on the 2-core Xeon
+# (ad hoc ctypes pass, median of 7, ms, the kernel against the packs through their Python op): 4 rows 23.9 vs 37.5,
+# 8 rows 30.0 vs 42.3, 16 rows 40.2 vs 52.0, 24 rows 48.9 vs 58.5, 32 rows 63.4 vs 72.8.
+F32_KERNEL_MAX_ROWS = 32
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
@@ -107,7 +119,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
         if scale is None and not _small(weight) and _matvec_kernel(x, (weight,)):
             return _kernel_linears(x, (weight,), (bias,))[0]
         return _reduce_linear(x, weight, bias, scale)
-    if scale is None and _amx_rows(x) and not _small(weight) and _matvec_kernel(x, (weight,)):
+    if scale is None and _blocked_rows(x) and not _small(weight) and _matvec_kernel(x, (weight,)):
         return _kernel_linears(x, (weight,), (bias,))[0]
     if scale is not None:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
@@ -126,7 +138,7 @@ def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
     (`packed_linear.pack_group`) run as one product and come back as views of its output; so do few-row
     products through the CPU matvec kernel (one call for the group)."""
     few = _row_reduce(x, weights)
-    if (few or _amx_rows(x)) and not _small(*weights) and _matvec_kernel(x, weights):
+    if (few or _blocked_rows(x)) and not _small(*weights) and _matvec_kernel(x, weights):
         return _kernel_linears(x, weights, biases)
     if not few and _packed_path(x, weights, biases):
         if torch.compiler.is_compiling():
@@ -158,19 +170,24 @@ def _row_reduce(x: Tensor, weights: Sequence[Tensor] = (), *, int8: bool = False
 
 
 def kernel_rows(dtype: torch.dtype) -> int:
-    """The most rows a compiled CPU product of `dtype` sends to the matvec kernel (its tile kernel on AMX CPUs)."""
-    return AMX_MAX_ROWS if dtype == torch.bfloat16 and cpu_matvec.amx() else reduce_rows(dtype)
+    """The most rows a compiled CPU product of `dtype` sends to the matvec kernel (its tile kernel on AMX CPUs, its
+    blocked fp32 kernel)."""
+    if dtype == torch.bfloat16 and cpu_matvec.amx():
+        return AMX_MAX_ROWS
+    if dtype == torch.float32 and cpu_matvec.supports(torch.float32):
+        return F32_KERNEL_MAX_ROWS
+    return reduce_rows(dtype)
 
 
-def _amx_rows(x: Tensor) -> bool:
-    """More rows than the few-row regime and at most `AMX_MAX_ROWS`, bf16, inside a compiled graph on an AMX CPU."""
+def _blocked_rows(x: Tensor) -> bool:
+    """More rows than the few-row regime and at most `kernel_rows`, inside a compiled graph on the CPU: bf16 on an
+    AMX CPU (`AMX_MAX_ROWS`), fp32 (`F32_KERNEL_MAX_ROWS`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
         torch.compiler.is_compiling()
         and x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and MAX_REDUCE_ROWS < rows <= AMX_MAX_ROWS
-        and cpu_matvec.amx()
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and reduce_rows(x.dtype) < rows <= kernel_rows(x.dtype)
     )
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from astrai.cpu_kernels import library
 from astrai.cpu_kernels import matvec as cpu_matvec
-from astrai.inference.runner import PREFILL_MIN_ROWS, ModelRunner
+from astrai.inference.runner import ModelRunner
 from astrai.ops import linear as ops_linear
-from astrai.ops.linear import AMX_MAX_ROWS, MAX_REDUCE_ROWS, kernel_rows, linears
+from astrai.ops.linear import AMX_MAX_ROWS, F32_KERNEL_MAX_ROWS, MAX_REDUCE_ROWS, kernel_rows, linears
 from helpers import assert_close
 from tests.cpu_kernels.test_matvec import _cpu_flags, call_kernel
 
@@ -117,14 +117,15 @@ def test_the_runner_warms_and_pads_past_the_tiles_bound():
     # a compiled CPU step specialises on the row bounds of `ops.linear`: the decode warm-up covers the graph past
     # AMX_MAX_ROWS, and a compiled prefill step pads to past it, so one prefill graph serves every size
     _needs_amx()
-    assert kernel_rows(torch.bfloat16) == AMX_MAX_ROWS and kernel_rows(torch.float32) <= MAX_REDUCE_ROWS
+    assert kernel_rows(torch.bfloat16) == AMX_MAX_ROWS and kernel_rows(torch.float32) == F32_KERNEL_MAX_ROWS
     runner = types.SimpleNamespace(device=torch.device("cpu"), model=types.SimpleNamespace(dtype=torch.bfloat16),
                                    max_running=128)  # fmt: skip
     assert ModelRunner.prefill_min_rows(runner) == AMX_MAX_ROWS + 1
     assert AMX_MAX_ROWS + 1 in ModelRunner.decode_warm_sizes(runner)
-    runner.model.dtype = torch.float32  # negative control: fp32 has no tiles, so nothing changes
-    assert ModelRunner.prefill_min_rows(runner) == PREFILL_MIN_ROWS
-    assert AMX_MAX_ROWS + 1 not in ModelRunner.decode_warm_sizes(runner)
+    runner.model.dtype = torch.float32  # negative control: fp32 has no tiles; its blocked kernel's bound instead
+    assert ModelRunner.prefill_min_rows(runner) == F32_KERNEL_MAX_ROWS + 1
+    sizes = ModelRunner.decode_warm_sizes(runner)
+    assert AMX_MAX_ROWS + 1 not in sizes and F32_KERNEL_MAX_ROWS + 1 in sizes
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from astrai.cpu_kernels import library
 from astrai.cpu_kernels import matvec as cpu_matvec
 from astrai.ops import packed_linear
 from astrai.ops.linear import (
+    F32_KERNEL_MAX_ROWS,
     INT8_EAGER_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
     MAX_REDUCE_ROWS,
@@ -135,6 +136,30 @@ def test_int8_gemm_matches_the_product_with_their_integers(rows, k):
     # negative control: the weights are read as signed bytes
     assert not torch.allclose(two.double(), x.double() @ torch.cat(weights).view(torch.uint8).double().T)
     # the op's entry point takes the GEMM from 22 rows and the matvec loop below: both give the product
+    assert ((cpu_matvec.matvec(x, weights).double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 10, 12, 16, 17, 32])
+@pytest.mark.parametrize("k", [1, 17, 576, 1600])
+def test_fp32_blocked_kernel_matches_the_product(rows, k):
+    # gemm_f32.c: blocks of 6 x rows and one of 4 for a last 1-4 (10 rows: 6 + 4, 7: 6 + a padded 1), weight groups
+    # of 4 rows with a zero-padded copy for the last 3, 2 or 1 (7, 13 and 202 rows), K with and without a masked
+    # tail of 16, and the prefetch two groups ahead (202 rows)
+    _needs_kernel(torch.float32)
+    gen = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=gen)
+    weights = [torch.randn(n, k, generator=gen) for n in (7, 202, 13)]
+    expected = x.double() @ torch.cat(weights).double().T
+    bound = 2e-6 * (x.double().abs() @ torch.cat(weights).double().abs().T) + 1e-30
+    status, one = call_kernel("astrai_gemm_f32", x, weights, 1)
+    status2, two = call_kernel("astrai_gemm_f32", x, weights, 2)
+    assert status == status2 == 0
+    assert ((two.double() - expected).abs() <= bound).all()  # and no NaN left: every output written
+    assert torch.equal(one, two)  # each output is one block's sum, whichever thread runs it
+    # negative control: the group order decides where each weight's columns land
+    _, swapped = call_kernel("astrai_gemm_f32", x, weights[::-1], 2)
+    assert not torch.allclose(swapped, two)
+    # the op's entry takes it from 3 rows (1-2: the row kernel): both give the product
     assert ((cpu_matvec.matvec(x, weights).double() - expected).abs() <= bound).all()
 
 
@@ -272,24 +297,26 @@ def test_row_counts_past_the_measured_bound_keep_the_loop(dtype):
         assert_close(out, F.linear(x.float(), weight.float()).to(dtype), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_unpacked_few_row_products_past_the_fp32_bound_take_the_kernel():
-    # fp32 at 4-8 rows goes to the packed op; weights nobody packed run the matvec kernel there, packed ones oneDNN
+def test_compiled_fp32_products_of_4_to_32_rows_take_the_kernel_packed_or_not():
+    # fp32 from 4 rows: the blocked kernel (gemm_f32.c) up to F32_KERNEL_MAX_ROWS whether oneDNN packed the weights
+    # or not; past it the packs
     _needs_kernel(torch.float32)
     if not packed_linear.AVAILABLE:
         pytest.skip("no oneDNN linear ops in this torch build")
     weights = [torch.randn(n, 48) for n in (40, 8)]
     biases = [torch.randn(40), None]
-    x = torch.randn(6, 48)
-    expected = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     compiled = torch.compile(linears, fullgraph=True, dynamic=False)
-    torch._dynamo.reset()
-    for packed in (False, True):
+    for rows, packed in ((6, False), (6, True), (F32_KERNEL_MAX_ROWS, True), (F32_KERNEL_MAX_ROWS + 1, True)):
+        x = torch.randn(rows, 48)
+        expected = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        torch._dynamo.reset()
         if packed:
             packed_linear.pack_group(weights)
         with torch.profiler.profile() as prof:
             outs = compiled(x, weights, biases)
         names = {e.name for e in prof.events()}
-        assert ("astrai::cpu_matvec" in names) == (not packed) and ("mkldnn::_linear_pointwise" in names) == packed
+        kernel = rows <= F32_KERNEL_MAX_ROWS
+        assert ("astrai::cpu_matvec" in names) == kernel and ("mkldnn::_linear_pointwise" in names) == (not kernel)
         for out, want in zip(outs, expected, strict=True):
             assert_close(out, want, atol=1e-5)
 
@@ -328,7 +355,7 @@ def _fresh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
         ({"ASTRAI_CPU_KERNELS": "0"}, "disabled by ASTRAI_CPU_KERNELS=0"),
         (
             {"CC": "false"},
-            "could not build the kernel: false failed on amx.c decode_attention.c gemm_i8.c lora.c matvec.c",
+            "could not build the kernel: false failed on amx.c decode_attention.c gemm_f32.c gemm_i8.c lora.c matvec.c",
         ),
     ],
 )

@@ -38,7 +38,7 @@ def _params(i: int) -> SamplingParams:
 
 
 def _run(model, prompts, *, compile: bool, setup=None):
-    cfg = EngineConfig(compile=compile, compile_prefill=True, page_size=4, max_step_tokens=32, max_running=8,
+    cfg = EngineConfig(compile=compile, compile_prefill=True, page_size=4, max_step_tokens=48, max_running=8,
                        kv_budget_tokens=4096, background=False)  # fmt: skip
     with Engine(model, cfg) as engine:
         if setup is not None:

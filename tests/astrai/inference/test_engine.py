@@ -15,7 +15,7 @@ from astrai.inference.errors import EngineInputError
 from astrai.inference.graphs import GraphCaptureError
 from astrai.inference.params import SamplingParams
 from astrai.ops import linear as ops_linear
-from astrai.ops.linear import reduce_rows
+from astrai.ops.linear import kernel_rows
 from helpers import DEVICE, save_hf, tiny_hf_model, tiny_model_dir
 
 NEW = 12
@@ -264,7 +264,7 @@ def test_compiled_decode_equals_eager(pair, prompts, reference, background, monk
         calls = [e for e in profile.events() if e.name.startswith("astrai::") and e.input_shapes and e.input_shapes[0]]
         rows = {name: [e.input_shapes[0][0] for e in calls if e.name == f"astrai::{name}"]
                 for name in ("cpu_matvec", "cpu_decode_attention", "packed_linear_cat")}  # fmt: skip
-        bound = reduce_rows(torch.float32)
+        bound = kernel_rows(torch.float32)  # the row kernel to 3 rows, its blocked form (gemm_f32.c) to 32
         assert set(rows["cpu_matvec"]) <= set(range(1, bound + 1))
         assert 1 in rows["cpu_matvec"]  # one row takes the kernel (ops.linear.MIN_KERNEL_ROWS)
         assert 5 in rows["cpu_decode_attention"]  # the five requests decode together
