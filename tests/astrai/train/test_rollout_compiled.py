@@ -63,6 +63,7 @@ def _frames() -> int:
 
 def _decode_cache_entries(rollouts) -> int:
     step = rollouts.engine.runner.compiled_decode
+    step = getattr(step, "compiled", step)  # a CPU step sits in `thread_count.AnyThreadCount`
     return len(_debug_get_cache_entry_list(step._torchdynamo_orig_callable.__code__))
 
 
