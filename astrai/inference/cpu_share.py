@@ -11,7 +11,12 @@ So the engine measures, every 0.5 s of stepping (0.1 s for the first window afte
 time other processes took: all CPUs' busy
 time from /proc/stat (steal included: a hypervisor's other guests count as others) minus this process's own
 (/proc/self/stat, every thread, spinning included). It then runs its steps on the cores left, rounded, between 1
-and the thread count it started with, through `torch.set_num_threads` on the stepping thread. Every kind of
+and the thread count it started with, through `torch.set_num_threads` on the stepping thread. The first step after
+an idle gap cannot wait for a window (it is often the longest: a batch's whole prefill, 1.7 s quiet on the Xeon VM
+for 16 x 128 tokens, 5.6-5.9 s on two threads beside a busy process), so it runs on the cores that no other
+process's thread was runnable on in any of a few /proc/stat samples 1 ms apart (`others_running_now`: the
+kernel's `procs_running` minus this process's own running threads; the fewest of the samples, so a thread that
+runs for a moment does not count). Every kind of
 parallel region follows the count: ATen and oneDNN read it per call, astrai's C kernels are passed it, and
 inductor's compiled loops use the runtime count when they were compiled for all of the machine's CPUs (its
 `#pragma omp parallel` without `num_threads`). `restore` gives the starting count back (a notebook's thread after
@@ -46,6 +51,30 @@ class CpuTimes:
     own_ticks: int
 
 
+def others_running_now(samples: int = 4, spacing_s: float = 0.001) -> int | None:
+    """Threads of other processes running or runnable now: the fewest over `samples` readings of /proc/stat's
+    `procs_running` less this process's threads in state R; None where /proc cannot be read. ~30 µs a sample."""
+    fewest = None
+    for i in range(samples):
+        if i:
+            time.sleep(spacing_s)
+        try:
+            text = Path("/proc/stat").read_text()
+            at = text.index("procs_running ") + len("procs_running ")
+            running = int(text[at : text.index("\n", at)])
+            own = 0
+            for task in os.listdir("/proc/self/task"):
+                try:
+                    own += Path(f"/proc/self/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+                except (OSError, IndexError):  # the thread ended meanwhile
+                    continue
+        except (OSError, ValueError):
+            return None
+        others = max(0, running - own)
+        fewest = others if fewest is None else min(fewest, others)
+    return fewest
+
+
 def read_cpu_times() -> CpuTimes | None:
     """The machine's busy ticks (all but idle and iowait, over every CPU) and this process's user + system ticks;
     None where /proc cannot be read."""
@@ -64,10 +93,12 @@ class SharedCores:
 
     def __init__(self, threads: int, *, cpus: int | None = None, interval_s: float = 0.5, first_s: float = 0.1,
                  read: Callable[[], CpuTimes | None] = read_cpu_times,
+                 running: Callable[[], int | None] = others_running_now,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:  # fmt: skip
         self.threads = threads  # the most it uses: the count it started with
         self.cpus = cpus or os.cpu_count() or 1
         self.interval_s, self.first_s, self._read, self._set = interval_s, first_s, read, set_threads
+        self._running = running
         self.current = self.applied = threads  # the count decided; the count set on the stepping thread now
         self.switches = 0  # how often the count changed (Engine.stats does not report it; tests and benchmarks do)
         self._last: CpuTimes | None = None  # the reading that opened the current window
@@ -84,12 +115,13 @@ class SharedCores:
         after an idle gap (a new `generate` call, a server's first request in a while), opens a fresh window of
         `first_s`, since a gap's average says what others did while this engine had no work; later windows last
         `interval_s`. Each window's end decides the count; the stepping thread then runs the decided one (after a
-        `restore`, the last decision until the first window ends, unless a gap came between: then the full count,
-        since what others did before the gap says little about now)."""
+        `restore`, the last decision until the first window ends, unless a gap came between: then the cores no
+        other process's thread is running on now, since what others did before the gap says little about now)."""
         now_s = time.monotonic()
         if self._last is None or now_s - self._ended_s > self.interval_s:
             self._last, self._window_s = self._read(), self.first_s
-            self.current = self.threads  # a decision from before the gap is stale: the full count until measured
+            others = self._running()  # the decision from before the gap is stale: what runs now, until measured
+            self.current = self.threads if others is None else min(self.threads, max(1, self.cpus - others))
         elif now_s - self._last.wall_s >= self._window_s and (now := self._read()) is not None:
             want = min(self.threads, max(1, int(self.cpus - self.others(now) + 0.5)))
             self._last, self._window_s = now, self.interval_s

@@ -4,12 +4,24 @@ The readings are faked (other processes' load cannot be staged reliably in a uni
 a real competing process is bench_shared_cores' (docs/benchmarks-history.md).
 """
 
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
 import astrai
 from astrai.inference import cpu_share, engine_cache
-from astrai.inference.cpu_share import TICKS_PER_S, CpuTimes, SharedCores, read_cpu_times, shared_cores
+from astrai.inference.cpu_share import (
+    TICKS_PER_S,
+    CpuTimes,
+    SharedCores,
+    others_running_now,
+    read_cpu_times,
+    shared_cores,
+)
 from helpers import tiny_model_dir
 
 
@@ -27,8 +39,9 @@ class FakeMachine:
 
 
 def test_the_thread_count_follows_the_cores_others_leave_and_restores():
-    machine, calls = FakeMachine(), []
-    cores = SharedCores(2, cpus=2, interval_s=10.0, first_s=0.0, read=machine.read, set_threads=calls.append)
+    machine, calls, running = FakeMachine(), [], [0]
+    cores = SharedCores(2, cpus=2, interval_s=10.0, first_s=0.0, read=machine.read, running=lambda: running[0],
+                        set_threads=calls.append)  # fmt: skip
 
     def step():  # as the engine calls it; the fake readings are a second apart, so every window has ended
         cores.before_step()
@@ -53,11 +66,49 @@ def test_the_thread_count_follows_the_cores_others_leave_and_restores():
     assert calls[-1] == 1 and cores.applied == 1
     cores._read, machine.others = read, 0.0
     cores._ended_s -= 100.0  # an idle gap: what others did meanwhile is not judged, a fresh window opens, and
-    cores.before_step()  # the steps run on every thread until it ends (the decision from before is stale)
+    cores.before_step()  # until it ends the steps run on the cores no other thread runs on now (none here)
     assert cores.current == 2 and calls[-1] == 2 and cores._window_s == cores.first_s
+    cores.after_step()
+    running[0] = 1  # a busy process at the next gap: the first step (often a whole prefill) runs on one thread
+    cores._ended_s -= 100.0
+    cores.before_step()
+    assert cores.current == 1 and calls[-1] == 1
+    cores.after_step()
+    running[0] = None  # /proc unreadable: every thread
+    cores._ended_s -= 100.0
+    cores.before_step()
+    assert cores.current == 2 and calls[-1] == 2
     # the measure itself: 150 busy ticks of the machine over a second, 50 of them this process's, is one CPU
     cores._last = CpuTimes(0.0, 0, 0)
     assert cores.others(CpuTimes(1.0, int(1.5 * TICKS_PER_S), int(0.5 * TICKS_PER_S))) == pytest.approx(1.0)
+
+
+def test_a_busy_process_is_seen_running_now():
+    """`others_running_now` against a real competitor: a busy loop in another process counts as one running thread
+    (the serial suite runs nothing else; a momentary thread is filtered by taking the fewest of the samples)."""
+    before = others_running_now()
+    stop = threading.Event()
+
+    def own_work():  # this process's threads running (GIL released) are not another process's
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            a @ a
+
+    worker = threading.Thread(target=own_work)
+    worker.start()
+    try:
+        time.sleep(0.1)
+        assert others_running_now() <= before
+    finally:
+        stop.set()
+        worker.join()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert others_running_now() >= before + 1 >= 1
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_on_by_default_unless_the_environment_says_0(monkeypatch):
@@ -73,6 +124,7 @@ def test_on_by_default_unless_the_environment_says_0(monkeypatch):
 def test_readings_come_from_proc_and_the_monitor_is_off_where_it_cannot_help():
     now = read_cpu_times()
     assert now is not None and now.busy_ticks >= now.own_ticks > 0
+    assert others_running_now() is not None  # this thread runs, and is not counted as another process's
     cpu = torch.device("cpu")
     threads = torch.get_num_threads()
     try:
@@ -124,4 +176,5 @@ _init = SharedCores.__init__
 
 def _fast_init(self, threads, **kwargs):
     """A monitor that reads every step (the engine's 0.5 s interval would outlast a tiny test generation)."""
-    _init(self, threads, **{**kwargs, "cpus": 2, "first_s": 0.0, "interval_s": 10.0, "read": cpu_share.read_cpu_times})
+    _init(self, threads, **{**kwargs, "cpus": 2, "first_s": 0.0, "interval_s": 10.0, "read": cpu_share.read_cpu_times,
+                            "running": lambda: 0})  # fmt: skip
