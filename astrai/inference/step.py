@@ -113,4 +113,6 @@ def compile_step(fn: Callable[..., Any], *, cfg: ModelConfig, mode: str | None =
     # `cfg` bound as a keyword default rather than by `functools.partial`: Dynamo runs every partial through one
     # shared wrapper function, whose code object would again hold every step's graphs
     private.__kwdefaults__, private.__qualname__ = {**(fn.__kwdefaults__ or {}), "cfg": cfg}, fn.__qualname__
+    if "options" in kwargs:  # a copy: torch.compile pops "guard_filter_fn" from the dict it is given, so a shared
+        kwargs["options"] = dict(kwargs["options"])  # one (SERVED_STEP_OPTIONS) lost it after its first compile
     return torch.compile(private, fullgraph=True, mode=mode, **kwargs)

@@ -114,3 +114,24 @@ def test_errors_of_the_step_itself_propagate(two_threads):
     torch.set_num_threads(1)
     with pytest.raises(RuntimeError, match="own error"):
         step(torch.ones(1))
+
+
+def _plus_one(x, *, cfg):
+    return x + cfg
+
+
+def test_every_compiled_step_keeps_its_guard_filter():
+    """torch.compile pops "guard_filter_fn" from the options dict it is given: passed the shared
+    `SERVED_STEP_OPTIONS` / `THREAD_FREE_STEP_OPTIONS` as they are, every step compiled after the first in a
+    process (the compiled prefill beside the decode step, a second engine) lost its filter, so its parameter and
+    thread-count guards came back. `compile_step` passes a copy: the second step's compile calls the filter too."""
+    from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step
+    from astrai.inference.thread_count import THREAD_FREE_STEP_OPTIONS
+
+    calls = []
+    shared = {"guard_filter_fn": lambda entries: calls.append(len(entries)) or [True] * len(entries)}
+    for cfg in (1, 2):
+        step = compile_step(_plus_one, cfg=cfg, options=shared, backend="eager")
+        assert torch.equal(step(torch.zeros(2)), torch.full((2,), float(cfg)))
+    assert len(calls) == 2 and "guard_filter_fn" in shared
+    assert "guard_filter_fn" in SERVED_STEP_OPTIONS and "guard_filter_fn" in THREAD_FREE_STEP_OPTIONS
