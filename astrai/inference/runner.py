@@ -33,11 +33,7 @@ from torch import Tensor
 
 from astrai.inference import fast_paths
 from astrai.inference.cache import init_kv_cache, logits_rows, make_attn_meta
-from astrai.inference.grammar import (
-    allocate_bitmask,
-    fill_bitmask_after,
-    fill_bitmask_batch,
-)
+from astrai.inference.grammar import allocate_bitmask, fill_bitmask_after, fill_bitmask_batch
 from astrai.inference.graphs import DecodeGraphs
 from astrai.inference.layout import layout_difference
 from astrai.inference.lora_step import lora_rows, padding_rows
@@ -195,12 +191,9 @@ class ModelRunner:
             pack_cpu_weights(model)
         self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg, tp=tp)
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg, tp=tp)
-        # symbolic batch and table sizes (see _mark_dynamic): one compile covers every size; CUDA graphs then
-        # capture it once per batch bucket
-        # without guards on the parameters (~0.6 ms per call; set_model checks a new tree against the served one)
-        # nor the wrapper's size asserts (~0.25 ms): `step.SERVED_STEP_OPTIONS`
-        # on CPU nor the global-state guard, whose thread count `EngineConfig.share_cpu_cores` lowers under
-        # contention: `thread_count.AnyThreadCount` runs one compile at every count up to the starting one
+        # symbolic batch and table sizes (_mark_dynamic): one compile for every size, CUDA graphs per bucket; no
+        # guards on the parameters (set_model checks a new tree) nor size asserts (`step.SERVED_STEP_OPTIONS`); on
+        # CPU no global-state guard either: `thread_count.AnyThreadCount` runs it at any thread count up to this one
         cpu = self.device.type == "cpu"
         unguarded = {"options": THREAD_FREE_STEP_OPTIONS if cpu else SERVED_STEP_OPTIONS}
         self.compiled_decode = compile_step(decode_step, cfg=self.cfg, **unguarded) if compile_steps else None
