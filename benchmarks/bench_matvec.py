@@ -147,8 +147,8 @@ def _one_graph_row(params, dtype: torch.dtype, probe: torch.Tensor, repeats: int
     widest = max(x, key=lambda n: sum(w.nbytes for g in groups for w in g if w.shape[1] == n))
     one = torch.cat([w for g in groups for w in g if w.shape[1] == widest])  # one stream of most of the bytes
     torch._dynamo.reset()
-    loop = torch.compile(_projections, dynamic=False, options=SERVED_STEP_OPTIONS)
-    kernel = torch.compile(_projections_kernel, dynamic=False, options=SERVED_STEP_OPTIONS)
+    loop = torch.compile(_projections, dynamic=False, options=dict(SERVED_STEP_OPTIONS))
+    kernel = torch.compile(_projections_kernel, dynamic=False, options=dict(SERVED_STEP_OPTIONS))
     arms = {
         "probe": (lambda: probe.sum(), probe.nbytes),
         "one_call": (lambda: cpu_matvec.matvec(x[widest], [one]), one.nbytes),
