@@ -9,7 +9,11 @@ computes too:
 - `fill` (before the target's forward): for each speculating entry (its last token t at position p, k guesses
   to find) the draft runs k + 1 batched greedy decode steps: t -> d1, d1 -> d2, ..., d(k-1) -> dk, and dk (its
   draw unused), so its K/V covers p .. p + k, the very positions the verify step writes for the target. The steps
-  feed each other on the device; the guesses come back to the host once.
+  feed each other on the device; the guesses come back to the host once. Compiled, the k_max + 1 steps are one
+  graph (`chained_steps`): a draft step of a small model is mostly the cost of a call (guards, launch, host
+  metadata), which the graph pays once per round, not k + 1 times. An entry with fewer guesses to find sits out
+  the steps past its k + 1st as a padding row (null page, attends to nothing), so one graph per batch size serves
+  every k, and `warm_up` compiles them all before serving.
 - `shadow` (after the target's forward): one draft forward over the step's other entries (prefill chunks, plain
   decodes), the same tokens at the same positions, for their K/V only.
 
@@ -22,16 +26,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
+from torch import Tensor
 
 from astrai.inference.cache import kv_bytes_per_token, make_attn_meta
 from astrai.inference.grammar import valid_prefix
 from astrai.inference.plan import SampledToken, ScheduledSeq
-from astrai.inference.runner import ModelRunner, StepInputs, table_width
-from astrai.inference.speculative import PENDING
+from astrai.inference.runner import ModelRunner, StepInputs, mark_dynamic, table_width
+from astrai.inference.sampling_batch import upload
+from astrai.inference.speculative import PENDING, SpeculativeConfig
+from astrai.inference.step import decode_step
+from astrai.inference.thread_count import compile_served
 from astrai.io.model import Model, load
+from astrai.models.config import ModelConfig
+from astrai.models.decoder import DecoderParams
+from astrai.ops.attention import AttnMeta, KVCache
+from astrai.ops.pointwise import inference_kernels
+from astrai.tree import tree_map
 
 
 def load_draft(path: str | Path, target: Model) -> Model:
@@ -74,6 +88,16 @@ def draft_kv_bytes(draft: Model | None) -> int:
     return kv_bytes_per_token(draft.config, draft.dtype) if draft is not None else 0
 
 
+def chained_steps(params: DecoderParams, tokens: Tensor, metas: Sequence[AttnMeta], cache: KVCache,
+                  vocab_size: int, *, cfg: ModelConfig) -> Tensor:  # fmt: skip
+    """`len(metas)` greedy decode steps, each fed the previous one's argmax: tokens [B] -> draws [steps, B]."""
+    draws = []
+    for meta in metas:
+        tokens = decode_step(params, tokens, meta, cache, cfg=cfg)[:, :vocab_size].argmax(dim=-1)
+        draws.append(tokens)
+    return torch.stack(draws)
+
+
 @attrs.define
 class DraftStats:
     """Draft-model work since start: proposal rounds, draft decode steps, shadow forwards."""
@@ -86,21 +110,42 @@ class DraftStats:
 class DraftProposer:
     """Runs the draft model beside the target: `fill` makes the guesses, `shadow` keeps its K/V in step."""
 
-    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
-        self.runner, self.vocab_size = runner, vocab_size
+    def __init__(self, runner: ModelRunner, vocab_size: int, k_max: int, max_batch: int) -> None:
+        self.runner, self.vocab_size, self.k_max, self.max_batch = runner, vocab_size, k_max, max_batch
         self.stats = DraftStats()
+        self.chained = None  # the k_max + 1 steps as one compiled graph, where the draft's steps are compiled
+        if runner.compiled_decode is not None:
+            self.chained = compile_served(chained_steps, cfg=runner.cfg, device=runner.device, eager=self._eager)
 
     @classmethod
-    def start(cls, draft: Model | None, runner_kw: dict, vocab_size: int) -> DraftProposer | None:
-        """A proposer running `draft` with the target runner's settings (`runner_kw`: pages, compile, ...) but
-        no CUDA graphs (its steps run eagerly or compiled); None without a draft."""
-        if draft is None:
+    def start(cls, draft: Model | None, runner_kw: dict, vocab_size: int, config: SpeculativeConfig | None,
+              max_batch: int) -> DraftProposer | None:  # fmt: skip
+        """A proposer of up to `config.num_speculative_tokens` guesses for up to `max_batch` entries, running
+        `draft` with the target runner's settings (`runner_kw`: pages, compile, ...) but no CUDA graphs (its
+        steps run eagerly or compiled); None without a draft."""
+        if draft is None or config is None:
             return None
-        return cls(ModelRunner(draft, **{**runner_kw, "cuda_graphs": False}), vocab_size)
+        runner = ModelRunner(draft, **{**runner_kw, "cuda_graphs": False})
+        return cls(runner, vocab_size, config.num_speculative_tokens, max_batch)
 
+    def _eager(self, *args: Any, **kwargs: Any) -> Tensor:
+        """The chained steps uncompiled (a call the compiled graph cannot take: `thread_count.AnyThreadCount`)."""
+        with inference_kernels():
+            return chained_steps(*args, cfg=self.runner.cfg, **kwargs)
+
+    @torch.inference_mode()
     def warm_up(self) -> dict[str, list]:
-        """Compile the draft's steps now (before serving), as `ModelRunner.warm_up` does for the target."""
-        return self.runner.warm_up()
+        """Compile the draft's steps now (before serving), as `ModelRunner.warm_up` does for the target, and the
+        chained graph at the same batch sizes (padding rows only)."""
+        done = self.runner.warm_up()
+        if self.chained is not None:
+            sizes = sorted({min(rows, self.max_batch) for rows in self.runner.decode_warm_sizes()})
+            for rows in sizes:
+                self._run_chained(torch.zeros(rows, dtype=torch.int64), [
+                    make_attn_meta([], [], [], page_size=self.runner.page_size, device="cpu", decode=True, rows=rows,
+                                   width=2) for _ in range(self.k_max + 1)])  # fmt: skip
+            done["chained"] = sizes
+        return done
 
     def execute(self, plan: list[ScheduledSeq], target: ModelRunner, vocab_size: int
                 ) -> tuple[list[ScheduledSeq], dict[int, SampledToken]]:  # fmt: skip
@@ -130,6 +175,39 @@ class DraftProposer:
         return plan
 
     def _propose(self, items: Sequence[ScheduledSeq]) -> list[list[int]]:
+        """Each entry's k guesses: from the chained graph where it is compiled, else step by step."""
+        if self.chained is not None and max(len(item.draft) for item in items) <= self.k_max:
+            return self._propose_chained(items)
+        return self._propose_stepwise(items)
+
+    def _propose_chained(self, items: Sequence[ScheduledSeq]) -> list[list[int]]:
+        """k_max + 1 steps in one graph over every entry; rows in descending k, so the entries still guessing at a
+        step are the first rows and the rest are padding rows (`make_attn_meta(rows=...)`)."""
+        order = sorted(range(len(items)), key=lambda r: -len(items[r].draft))
+        ks = [len(items[r].draft) for r in order]
+        width = table_width(max(len(item.seq.pages) for item in items))
+        metas = []
+        for step in range(self.k_max + 1):
+            live = [items[r] for r, k in zip(order, ks, strict=True) if step <= k]
+            metas.append(make_attn_meta([item.seq.pages for item in live], [item.start + step for item in live],
+                                        [1] * len(live), page_size=self.runner.page_size, device="cpu",
+                                        decode=True, rows=len(items), width=width))  # fmt: skip
+        first = [items[r].seq.tokens(items[r].start, items[r].start + 1)[0] for r in order]
+        draws = self._run_chained(torch.tensor(first, dtype=torch.int64), metas).tolist()
+        self.stats.decode_steps += self.k_max + 1
+        guesses: list[list[int]] = [[] for _ in items]
+        for row, (r, k) in enumerate(zip(order, ks, strict=True)):
+            guesses[r] = [draws[step][row] for step in range(k)]
+        return guesses
+
+    def _run_chained(self, tokens: Tensor, metas: list[AttnMeta]) -> Tensor:
+        tokens = upload(tokens, self.runner.device)
+        metas = [tree_map(lambda t: upload(t, self.runner.device), meta) for meta in metas]
+        for meta in metas:
+            mark_dynamic(tokens, meta)
+        return self.chained(self.runner.model.params, tokens, metas, self.runner.cache, self.vocab_size)
+
+    def _propose_stepwise(self, items: Sequence[ScheduledSeq]) -> list[list[int]]:
         """k + 1 batched greedy decode steps (k per entry; an entry leaves the batch after its k + 1st step)."""
         ks = [len(item.draft) for item in items]
         tokens = torch.tensor([item.seq.tokens(item.start, item.start + 1)[0] for item in items], dtype=torch.int64)

@@ -124,7 +124,7 @@ class Engine(LoRAMethods, GrammarMethods):
                 self.adapters.write = self.runner.write_slot
         else:
             self.runner = ModelRunner(self._served, **runner_kw)
-        self.draft = DraftProposer.start(draft, runner_kw, model.config.vocab_size)
+        self.draft = DraftProposer.start(draft, runner_kw, model.config.vocab_size, cfg.speculative, cfg.max_running)
         self.cores = shared_cores(device, tp_size, cfg.share_cpu_cores)  # CPU: step threads follow free cores
         self._rng, self._arrival = random.Random(cfg.seed), itertools.count()
         self._tracked: dict[str, RequestDelivery] = {}

@@ -43,8 +43,8 @@ from astrai.inference.sampler_variants import SamplerVariants
 from astrai.inference.sampling_batch import make_sampling_batch, upload
 from astrai.inference.seq import Seq, needs_outputs
 from astrai.inference.steer import guarded_steering
-from astrai.inference.step import SERVED_STEP_OPTIONS, LoRARows, compile_step, decode_step, prefill_step
-from astrai.inference.thread_count import THREAD_FREE_STEP_OPTIONS, AnyThreadCount
+from astrai.inference.step import LoRARows, decode_step, prefill_step
+from astrai.inference.thread_count import compile_served
 from astrai.io.model import Model
 from astrai.models.decoder import projection_groups, projection_weights
 from astrai.nn.lora_slots import slot_linears
@@ -62,7 +62,7 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_MIN_ROWS = MAX_REDUCE_ROWS + 1  # a compiled prefill step pads its tokens and sampled rows to at least this
 
 
-def _mark_dynamic(tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> None:
+def mark_dynamic(tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> None:
     # batch size and block-table width change from step to step: compile them as symbolic sizes from the start,
     # instead of recompiling once per new size
     rows = [t for t in lora or () if t is not None]
@@ -191,23 +191,20 @@ class ModelRunner:
             pack_cpu_weights(model)
         self.eager_prefill = functools.partial(prefill_step, cfg=self.cfg, tp=tp)
         self.eager_decode = functools.partial(decode_step, cfg=self.cfg, tp=tp)
-        # symbolic batch and table sizes (_mark_dynamic): one compile for every size, CUDA graphs per bucket; no
+        # symbolic batch and table sizes (mark_dynamic): one compile for every size, CUDA graphs per bucket; no
         # guards on the parameters (set_model checks a new tree) nor size asserts (`step.SERVED_STEP_OPTIONS`); on
         # CPU no global-state guard either: `thread_count.AnyThreadCount` runs it at any thread count up to this one
-        cpu = self.device.type == "cpu"
-        unguarded = {"options": THREAD_FREE_STEP_OPTIONS if cpu else SERVED_STEP_OPTIONS}
-        self.compiled_decode = compile_step(decode_step, cfg=self.cfg, **unguarded) if compile_steps else None
+        self.compiled_decode = None
+        if compile_steps:
+            self.compiled_decode = compile_served(decode_step, cfg=self.cfg, device=self.device,
+                                                  eager=self._eager_decode)  # fmt: skip
         auto_prefill = compile_prefill is None  # the default: on CUDA, unless it fails its start check
         if compile_prefill is None:  # on CPU the compiled prefill measured no faster and takes long to compile
             compile_prefill = fast_paths.on_gpu(self.device)
-        compile_prefill = compile_steps and compile_prefill
-        self.compiled_prefill = compile_step(prefill_step, cfg=self.cfg, **unguarded) if compile_prefill else None
-        if cpu:
-            threads = torch.get_num_threads()
-            if self.compiled_decode is not None:
-                self.compiled_decode = AnyThreadCount(self.compiled_decode, self._eager_decode, threads)
-            if self.compiled_prefill is not None:
-                self.compiled_prefill = AnyThreadCount(self.compiled_prefill, self._eager_prefill, threads)
+        self.compiled_prefill = None
+        if compile_steps and compile_prefill:
+            self.compiled_prefill = compile_served(prefill_step, cfg=self.cfg, device=self.device,
+                                                   eager=self._eager_prefill)  # fmt: skip
         self._sampler = SamplerVariants(compiled=compile)  # a fixed set of compiled variants (sampler_variants)
         if self.compiled_prefill is not None:  # warmed up; the default is checked on CUDA, eager if it fails
             self.compiled_prefill = fast_paths.warm_prefill(self, check=auto_prefill)
@@ -243,7 +240,7 @@ class ModelRunner:
 
         def step(tokens: Tensor, meta: AttnMeta, lora: LoRARows | None = None) -> Tensor:
             if self.compiled_decode is not None:
-                _mark_dynamic(tokens, meta, lora)
+                mark_dynamic(tokens, meta, lora)
             return decode(params, tokens, meta, cache, lora=lora)
 
         return DecodeGraphs(step, max_rows=bucket(self.max_running, self.max_running), width=self.max_width,
@@ -377,12 +374,12 @@ class ModelRunner:
         lora = None if step.lora is None else LoRARows(*(t if t is None else upload(t, self.device) for t in step.lora))
         if step.kind == "decode":
             if self.compiled_decode is not None:
-                _mark_dynamic(tokens, meta, lora)
+                mark_dynamic(tokens, meta, lora)
                 return self.compiled_decode(self.model.params, tokens, meta, self.cache, lora=lora)
             return self._eager_decode(self.model.params, tokens, meta, self.cache, lora=lora)
         rows = upload(step.rows, self.device)
         if self.compiled_prefill is not None:
-            _mark_dynamic(tokens, meta, lora)
+            mark_dynamic(tokens, meta, lora)
             torch._dynamo.maybe_mark_dynamic(rows, 0)
             return self.compiled_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)
         return self._eager_prefill(self.model.params, tokens, meta, self.cache, rows, lora=lora)

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from astrai.inference.step import SERVED_STEP_OPTIONS, without_param_guards
+from astrai.inference.step import SERVED_STEP_OPTIONS, compile_step, without_param_guards
+from astrai.models.config import ModelConfig
 
 _GlobalState = torch._C._dynamo.guards.GlobalStateGuard
 
@@ -46,6 +47,17 @@ def _served_thread_free(entries: Sequence[Any]) -> list[bool]:
 
 # `step.SERVED_STEP_OPTIONS` for a CPU engine's steps, which `AnyThreadCount` calls
 THREAD_FREE_STEP_OPTIONS: dict[str, Any] = {**SERVED_STEP_OPTIONS, "guard_filter_fn": _served_thread_free}
+
+
+def compile_served(fn: Callable[..., Any], *, cfg: ModelConfig, device: torch.device, eager: Callable[..., Any]
+                   ) -> Callable[..., Any]:  # fmt: skip
+    """`fn` compiled as the engine compiles the steps it serves (`step.compile_step`): without the parameters'
+    guards (`SERVED_STEP_OPTIONS`) and, on CPU, without the global-state guard, called through `AnyThreadCount` at
+    any thread count up to the current one (`eager` runs a call whose global state differs)."""
+    if device.type != "cpu":
+        return compile_step(fn, cfg=cfg, options=SERVED_STEP_OPTIONS)
+    compiled = compile_step(fn, cfg=cfg, options=THREAD_FREE_STEP_OPTIONS)
+    return AnyThreadCount(compiled, eager, torch.get_num_threads())
 
 
 def _is_recompile_refusal(error: RuntimeError) -> bool:

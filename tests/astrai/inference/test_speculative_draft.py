@@ -11,6 +11,7 @@ proposed *and* accepted (it cannot pass because nothing was speculated). The ref
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import attrs
@@ -20,6 +21,7 @@ import torch
 import astrai
 from astrai.inference import engine_cache
 from astrai.inference.params import GrammarSpec, SamplingParams
+from astrai.inference.speculative import AdaptiveK
 from astrai.io.model import save
 from astrai.io.tokenizer import train_tokenizer
 from helpers import draft_pair_dirs, spec_engine, tiny_model_dir
@@ -154,6 +156,45 @@ def test_both_pools_hold_what_plain_computation_leaves(pair):
                 _close(_pages_k(spec.draft.runner.cache.k, pages, 16), _pages_k(fresh.runner.cache.k, fresh_pages, 16))
 
 
+def _recording(calls: list, fn):
+    def record(items):
+        guesses = fn(items)
+        calls.append([(len(item.draft), guess) for item, guess in zip(items, guesses, strict=True)])
+        return guesses
+
+    return record
+
+
+def test_the_chained_steps_guess_and_store_what_the_stepwise_ones_do(pair, monkeypatch):
+    """The compiled engine runs a round's draft steps as one graph (`draft.chained_steps`), with the entries that
+    need fewer guesses as padding rows past their k + 1st step. Run here eagerly, with each sequence's k drawn from
+    a fixed cycle (so rounds mix k = 1 to 8): round by round the same guesses as the step-by-step loop, the same
+    tokens, and the same draft K/V for the kept tokens."""
+    model, draft_dir = pair
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    spec, rounds, outs = _spec(draft_dir, k=8), {"stepwise": [], "chained": []}, {}
+    with _engine(model, spec, background=False) as stepwise, _engine(model, spec, background=False) as chained:
+        assert chained.draft.chained is None  # eager engines step; the graph's logic runs eagerly below
+        chained.draft.chained = chained.draft._eager
+        stepwise.draft._propose = _recording(rounds["stepwise"], stepwise.draft._propose)
+        chained.draft._propose = _recording(rounds["chained"], chained.draft._propose_chained)
+        for name, engine in (("stepwise", stepwise), ("chained", chained)):
+            cycle = itertools.cycle([8, 2, 5, 1, 3, 7])
+            monkeypatch.setattr(AdaptiveK, "next_k", lambda self, cycle=cycle: min(self.k_max, next(cycle)))
+            outs[name] = [[o.token_ids for o in c.outputs] for c in engine.run_batch(PROMPTS, params)]
+        assert outs["chained"] == outs["stepwise"]
+        assert rounds["chained"] == rounds["stepwise"]
+        ks = [sorted(k for k, _ in entries) for entries in rounds["chained"]]
+        assert sum(r[0] + 1 < r[-1] for r in ks) > 3 and any(r[-1] < 8 for r in ks), ks  # padding rows and steps
+        for prompt, c in zip(PROMPTS, outs["stepwise"], strict=True):  # the kept tokens' draft K, by cached page
+            tokens = list(prompt) + list(c[0])
+            pages, chained_pages = stepwise.radix.cached_pages(tokens), chained.radix.cached_pages(tokens)
+            assert len(pages) == len(chained_pages) > 0
+            torch.testing.assert_close(_pages_k(chained.draft.runner.cache.k, chained_pages, 16),
+                                       _pages_k(stepwise.draft.runner.cache.k, pages, 16), atol=0, rtol=0)  # fmt: skip
+        _assert_speculated(chained.stats())
+
+
 def test_bad_drafts_are_refused_at_start(pair, tmp_path):
     model, draft_dir = pair
     with pytest.raises(ValueError, match="cannot load the draft model"):
@@ -184,3 +225,22 @@ def test_compiled_engines_give_the_same_tokens(pair):
     spec, stats = _run(model, _spec(draft_dir), params, compile=True)
     assert spec == plain
     _assert_speculated(stats, rate=0.8)
+
+
+@pytest.mark.slow  # compiles the draft's chained graph at each warm-up batch size
+def test_a_warmed_draft_compiles_nothing_while_serving(pair):
+    """`DraftProposer.warm_up` (called by `astrai serve` before it says `serving`) compiles the chained graph at
+    every batch size the rounds meet: requests at 1 to 4 speculating sequences, every k, compile nothing after."""
+    from torch._dynamo.utils import counters
+
+    model, draft_dir = pair
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with _engine(model, _spec(draft_dir), compile=True, max_running=4) as engine:
+        engine.runner.warm_up()
+        done = engine.draft.warm_up()
+        assert done["chained"] == [1, 2, 4], done  # fp32: 1, 2, one past the row-reduce bound (also max_running)
+        before = counters["stats"]["unique_graphs"]
+        for batch in (1, 2, 3, 4):
+            engine.run_batch(PROMPTS[:batch], params)
+        assert counters["stats"]["unique_graphs"] == before
+        assert engine.draft.stats.rounds > 0 and engine.stats().spec_accepted_tokens > 0
