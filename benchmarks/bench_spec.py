@@ -22,7 +22,8 @@ Workloads (`--workloads`):
 
 Prints a rich table and the JSON report as the last stdout line.
 Usage: python benchmarks/bench_spec.py [--workloads repeat nothing prefix-draft edit edit-draft] [--rounds 3]
-       [--new-tokens 128] [--k 4] [--lookup 5 5] [--batch 1 4] [--smoke]
+       [--new-tokens 128] [--k 4] [--lookup 5 5] [--batch 1 4] [--draft DIR] [--draft-steps stepwise]
+       [--device cuda --dtype bfloat16] [--smoke]
 """
 
 from __future__ import annotations
@@ -54,15 +55,28 @@ def _weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(model.params))
 
 
-def compare(model, prompts, params, spec: dict, *, rounds: int, batch: int, name: str) -> tuple[dict, bool]:
-    """One workload row: a plain and a speculating engine on `model`, `rounds` alternating timed runs each."""
+def compare(model, prompts, params, spec: dict, *, rounds: int, batch: int, name: str, stepwise: bool = False
+            ) -> tuple[dict, bool]:  # fmt: skip
+    """One workload row: a plain and a speculating engine on `model`, `rounds` alternating timed runs each;
+    `stepwise`: a draft model's steps run one compiled call each instead of one graph per round (for comparison)."""
     from bench_forward import memory_bandwidth_gbs
 
     from astrai.inference.engine import Engine, EngineConfig
 
+    if model.device.type == "cuda":  # the GPU's read bandwidth from the peaks table (or one measured copy)
+        import torch
+        from _common import device_peaks
+
+        peak = device_peaks(torch.cuda.get_device_name())[0] / 1e9
+
+        def memory_bandwidth_gbs(*_args) -> float:
+            return peak
+
     engines = {arm: Engine(model, EngineConfig(compile=True, kv_budget_tokens=8192, max_running=max(4, batch),
                                                background=False, speculative=spec if arm == "spec" else None))
                for arm in ("plain", "spec")}  # fmt: skip
+    if stepwise and engines["spec"].draft is not None:
+        engines["spec"].draft.chained = None  # `DraftProposer._propose` then steps
     identical = True
     try:
         for engine in engines.values():
@@ -86,6 +100,7 @@ def compare(model, prompts, params, spec: dict, *, rounds: int, batch: int, name
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     bw = statistics.median(bandwidths)
     row = dict(workload=name, method=spec.get("method", "draft"), batch=batch, k=spec["num_speculative_tokens"],
+               draft_steps=("stepwise" if stepwise else "chained") if "model" in spec else None,
                plain_tok_s=statistics.median(rates["plain"]), plain_range=[min(rates["plain"]), max(rates["plain"])],
                spec_tok_s=statistics.median(rates["spec"]), spec_range=[min(rates["spec"]), max(rates["spec"])],
                tokens_per_round=(accepted + drafts) / drafts if drafts else 0.0,
@@ -120,13 +135,16 @@ def _prefix_pair(model, layers: int, folder: Path):
 def run(args: argparse.Namespace) -> dict:
     import tempfile
 
+    import attrs
     import torch
     from bench_serve import build_model
 
     import astrai
     from astrai.inference.params import SamplingParams
+    from astrai.tree import cast, to_device
 
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
              "prompt_lookup_max": args.lookup[1]}  # fmt: skip
@@ -144,13 +162,15 @@ def run(args: argparse.Namespace) -> dict:
         for batch in batches:
             groups = make_prompts(batch)
             groups = groups if isinstance(groups, tuple) else (groups,)  # a tuple: batches run one after another
-            row, same = compare(model, groups, params, spec, rounds=args.rounds, batch=batch, name=name)
+            row, same = compare(model, groups, params, spec, rounds=args.rounds, batch=batch, name=name,
+                                stepwise=args.draft_steps == "stepwise")  # fmt: skip
             results.append(row)
             identical &= same
 
     random_names = {"repeat", "nothing", "prefix-draft"} & set(args.workloads)
     if random_names:
         model = build_model(args.config, args.vocab)
+        model = attrs.evolve(model, params=to_device(cast(model.params, dtype), args.device))
         info["random_weight_bytes"] = _weight_bytes(model)
         if "repeat" in args.workloads:
             add("repeat", model, lambda b: [list(range(10, 10 + args.prompt // 2)) * 2 for _ in range(b)], greedy,
@@ -172,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         from spec_edit_task import build_edit_model, edit_prompts
 
         model_dir = build_edit_model(args.edit_dir)
-        model = astrai.load(model_dir)
+        model = astrai.load(model_dir, dtype=dtype, device=args.device)
         info["edit_weight_bytes"] = _weight_bytes(model)
         answer = SamplingParams(max_tokens=args.edit_tokens, temperature=0.0)  # the answer ends with EOS
         # never trained on; the same prompts at every batch size, in batches of b run one after another (one
@@ -186,11 +206,12 @@ def run(args: argparse.Namespace) -> dict:
         if "edit" in args.workloads:
             add("edit", model, batches, answer, {**ngram, **edit_ngram}, args.batch)
         if "edit-draft" in args.workloads:
-            draft_dir = build_edit_draft(args.edit_dir)
-            info["edit_draft_weight_bytes"] = _weight_bytes(astrai.load(draft_dir))
+            draft_dir = args.draft or build_edit_draft(args.edit_dir)
+            info["edit_draft_weight_bytes"] = _weight_bytes(astrai.load(draft_dir, dtype=dtype))
             add("edit-draft", model, batches, answer,
                 {"model": str(draft_dir), "num_speculative_tokens": args.k}, [1])  # fmt: skip
-    return dict(benchmark="bench_spec", config=args.config, threads=args.threads, rounds=args.rounds, ngram=ngram,
+    return dict(benchmark="bench_spec", config=args.config, device=args.device, dtype=args.dtype,
+                threads=args.threads, rounds=args.rounds, ngram=ngram,
                 edit_ngram=edit_ngram,
                 new_tokens=args.new_tokens, prompt_tokens=args.prompt, identical=identical, results=results,
                 **info)  # fmt: skip
@@ -201,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--config", default="smollm2-135m")
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -218,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="edit (ngram): prompt_lookup_min / max")  # fmt: skip
     parser.add_argument("--edit-disable-by-batch-size", type=int, default=None, metavar="N",
                         help="edit (ngram): vLLM's disable_by_batch_size (no guesses while N run)")  # fmt: skip
+    parser.add_argument("--draft", type=Path, default=None, help="edit-draft: this draft folder instead of the "
+                        "edit dir's distilled one (e.g. an earlier distillation)")  # fmt: skip
+    parser.add_argument("--draft-steps", choices=("chained", "stepwise"), default="chained",
+                        help="draft methods: the k + 1 draft steps as one compiled graph (the engine's) or one "
+                        "compiled call each (the engine before it chained them)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 16 tokens, batch 1 (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

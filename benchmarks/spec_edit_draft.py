@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-STEPS = 1200
+STEPS = 4000
 
 
 def draft_model_config(teacher_cfg):
