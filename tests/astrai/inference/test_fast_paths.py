@@ -3,7 +3,8 @@
 No GPU here: CUDA is simulated. `fast_paths.on_gpu` is patched to say yes, and each fast path's GPU-only part is
 replaced on the CPU tensors by a stand-in that runs through the same dispatch: the fused rotary + KV-store launch
 (`ops.rotary._fused_launch`, behind the `FUSED_KV_STORE` switch), the paged attention op while the tuned-launch
-switch is on, the fused copy `layout.served_model` makes, and the step `compile_step` returns for the prefill step.
+switch is on, the fused copy `layout.served_model` makes, and the step `compile_step` returns for the prefill step
+(through `thread_count.compile_served`).
 A stand-in is healthy (the confirmed path's own result), raises, or returns values off by a few times the tolerance.
 The reference for the tokens is an engine with every fast path off (the confirmed paths), on the same weights.
 """
@@ -20,7 +21,7 @@ import torch
 import astrai.ops.rotary as rotary_op
 from astrai.configs.models import tiny
 from astrai.inference import engine as engine_module
-from astrai.inference import fast_paths, layout
+from astrai.inference import fast_paths, layout, thread_count
 from astrai.inference import runner as runner_module
 from astrai.inference.engine import Engine, EngineConfig
 from astrai.inference.params import SamplingParams
@@ -138,7 +139,7 @@ def _simulate_cuda(monkeypatch, path: str, fault: str | None) -> dict:
 
         return compiled_prefill
 
-    monkeypatch.setattr(runner_module, "compile_step", compile_step)
+    monkeypatch.setattr(thread_count, "compile_step", compile_step)  # what `compile_served` compiles with
     return {"compile": True, "compile_prefill": None, "fuse_projections": False}
 
 
