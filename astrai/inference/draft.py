@@ -176,7 +176,7 @@ class DraftProposer:
 
     def _propose(self, items: Sequence[ScheduledSeq]) -> list[list[int]]:
         """Each entry's k guesses: from the chained graph where it is compiled, else step by step."""
-        if self.chained is not None and max(len(item.draft) for item in items) <= self.k_max:
+        if self.chained is not None:  # k <= k_max: the scheduler plans at most num_speculative_tokens
             return self._propose_chained(items)
         return self._propose_stepwise(items)
 
