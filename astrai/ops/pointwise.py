@@ -39,6 +39,13 @@ def inference_kernels() -> Iterator[None]:
         _STATE.on = previous
 
 
+def _kernels_on() -> bool:
+    """Inside `inference_kernels()` on this thread. Never read while tracing (the kernels are eager-only anyway):
+    Dynamo would guard a compiled step on the thread-local, and a step compiled on a thread that had entered the
+    block would recompile on the engine's stepping thread, which had not (seen with a compiled prefill)."""
+    return not torch.compiler.is_compiling() and getattr(_STATE, "on", False)
+
+
 def cpu_kernel_applies(*tensors: Tensor) -> bool:
     """Whether `tensors` may take the CPU pointwise kernels: eager (not traced, no torch.func transform), plain
     tensors on the CPU, one dtype the kernels run, no gradient needed, no autocast."""
@@ -58,7 +65,7 @@ def cpu_kernel_applies(*tensors: Tensor) -> bool:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [..., E] normalised over the last dim in fp32, rounded to x's dtype, times the gain `weight` [E]."""
     fits = weight.shape == x.shape[-1:] and x.stride(-1) == 1
-    if getattr(_STATE, "on", False) and fits and cpu_kernel_applies(x, weight):
+    if _kernels_on() and fits and cpu_kernel_applies(x, weight):
         return cpu_pointwise.rms_norm(x, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -67,7 +74,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """`F.silu(gate) * up` (SwiGLU's product), for gate and up of one shape."""
-    if getattr(_STATE, "on", False) and gate.dim() >= 2 and gate.shape == up.shape and cpu_kernel_applies(gate, up):
+    if _kernels_on() and gate.dim() >= 2 and gate.shape == up.shape and cpu_kernel_applies(gate, up):
         width = gate.shape[-1]
         rows_g, rows_u = gate.reshape(-1, width), up.reshape(-1, width)  # views of a split projection stay views
         if rows_g.stride(-1) == 1 and rows_u.stride(-1) == 1:

@@ -151,3 +151,30 @@ def test_ops_take_the_kernels_only_in_eager_inference(monkeypatch):
     assert calls == []
     assert_close(norm, _rms_norm_torch(x, weight, 1e-6), atol=1e-5)
     assert_close(product, F.silu(gate) * up, atol=1e-5)
+
+
+def test_a_compiled_step_does_not_depend_on_which_thread_entered_inference_kernels():
+    """The engine warms its compiled steps on the caller's thread, which may have run an eager step under
+    `inference_kernels()`, and steps them on its own thread, which may not have: a graph that read the thread-local
+    flag would be guarded on it and recompile there (seen with the compiled prefill of a speculating engine)."""
+    import threading
+
+    def block(x, weight, gate, up):
+        return pointwise.rms_norm(x, weight, 1e-6) + pointwise.silu_mul(gate, up)
+
+    step = torch.compile(block, fullgraph=True)
+    args = (torch.randn(3, 8), torch.ones(8), torch.randn(3, 8), torch.randn(3, 8))
+    with pointwise.inference_kernels():
+        pass  # this thread has entered the block once: the flag exists here, set back to off
+    want = step(*args)
+    results: list = []
+
+    def other_thread():
+        with torch.compiler.set_stance("fail_on_recompile"):
+            results.append(step(*args))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(timeout=60)
+    assert len(results) == 1, "the compiled block recompiled (or failed) on a thread that never entered the block"
+    torch.testing.assert_close(results[0], want)

@@ -235,6 +235,9 @@ def test_a_warmed_draft_compiles_nothing_while_serving(pair):
 
     model, draft_dir = pair
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # no graph left from other tests (the compiled sampler is shared by every engine in the process), as
+    # test_warm_up does: the warm-up must compile what the requests meet
+    torch._dynamo.reset()
     with _engine(model, _spec(draft_dir), compile=True, max_running=4) as engine:
         engine.runner.warm_up()
         done = engine.draft.warm_up()
